@@ -1,0 +1,1 @@
+"""llmserve: a JAX research framework for fast LLM inference."""

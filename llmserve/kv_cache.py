@@ -1,0 +1,133 @@
+"""KV caches as pytrees of device arrays, and the write into them.
+
+Two layouts share one method, ``update_and_attend(layer, q, k, v, meta, backend)``:
+
+* ``DenseKVCache``: one contiguous [B, S, K, H] buffer per layer. The reference generate loop
+  (the correctness oracle) uses it.
+* ``PagedKVCache``: fixed-size pages [K, P, L, H] per layer, addressed through block tables.
+  Page 0 is reserved as the dummy page: padding tokens write there, never into a live page.
+
+Both are updated with ``.at[].set`` scatters inside the jitted step; callers donate the cache so
+XLA updates the buffers in place.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from llmserve.config import ModelConfig
+from llmserve.ops import attention as attn_ops
+
+Array = jax.Array
+
+DUMMY_PAGE = 0
+
+
+@flax.struct.dataclass
+class AttentionMetadata:
+    """What attention needs besides q/k/v; all arrays, so changing values never recompiles.
+
+    Query t of sequence b sits at position ``q_start[b] + t`` and sees the keys at positions
+    ``s <= q_start[b] + t`` with ``s < lengths[b]``.
+    """
+
+    positions: Array  # [B, T] int32: absolute positions of the query tokens
+    q_start: Array  # [B] int32: position of query 0
+    lengths: Array  # [B] int32: valid kv length after this step's tokens are written
+    token_mask: Array  # [B, T] bool: real tokens (padding tokens write to no live slot)
+    block_tables: Optional[Array] = None  # [B, pages_per_seq] int32 (paged cache only)
+
+    @classmethod
+    def for_dense(cls, positions: Array, lengths: Array,
+                  token_mask: Optional[Array] = None) -> "AttentionMetadata":
+        """Metadata for contiguous positions (query t at positions[:, 0] + t)."""
+        if token_mask is None:
+            token_mask = jnp.ones(positions.shape, bool)
+        return cls(positions=positions, q_start=positions[:, 0], lengths=lengths,
+                   token_mask=token_mask)
+
+
+@flax.struct.dataclass
+class DenseKVCache:
+    """Contiguous per-layer K/V buffers."""
+
+    k: tuple  # n_layers x [B, S, K, H]
+    v: tuple  # n_layers x [B, S, K, H]
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "DenseKVCache":
+        dtype = dtype or cfg.jnp_dtype
+        shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
+        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)))
+
+    def update_and_attend(self, layer: int, q: Array, k: Array, v: Array,
+                          meta: AttentionMetadata, backend: str):
+        """Writes k/v [B, T, K, H] at meta.positions, then attends q [B, T, N, H]."""
+        max_len = self.k[layer].shape[1]
+        # Padding tokens scatter out of bounds and are dropped.
+        pos = jnp.where(meta.token_mask, meta.positions, max_len)
+        b_idx = jnp.arange(q.shape[0])[:, None]
+        kc = self.k[layer].at[b_idx, pos].set(k.astype(self.k[layer].dtype), mode="drop")
+        vc = self.v[layer].at[b_idx, pos].set(v.astype(self.v[layer].dtype), mode="drop")
+        out = attn_ops.attention(q, kc, vc, meta.q_start, meta.lengths, backend=backend)
+        new_k = self.k[:layer] + (kc,) + self.k[layer + 1:]
+        new_v = self.v[:layer] + (vc,) + self.v[layer + 1:]
+        return out, self.replace(k=new_k, v=new_v)
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+    """Paged per-layer K/V: pages [K, P, L, H]; page 0 is the dummy page."""
+
+    k: tuple  # n_layers x [K, P, L, H]
+    v: tuple  # n_layers x [K, P, L, H]
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, num_pages: int, page_size: int,
+               dtype=None) -> "PagedKVCache":
+        dtype = dtype or cfg.jnp_dtype
+        shape = (cfg.n_kv_heads, num_pages, page_size, cfg.head_dim)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)))
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[2]
+
+    def slot_indices(self, meta: AttentionMetadata):
+        """(page, offset) [B, T] for each query token; padding goes to the dummy page."""
+        size = self.page_size
+        page_col = jnp.clip(meta.positions // size, 0, meta.block_tables.shape[1] - 1)
+        page = jnp.take_along_axis(meta.block_tables, page_col, axis=1)
+        page = jnp.where(meta.token_mask, page, DUMMY_PAGE)
+        offset = jnp.where(meta.token_mask, meta.positions % size, 0)
+        return page, offset
+
+    def update_and_attend(self, layer: int, q: Array, k: Array, v: Array,
+                          meta: AttentionMetadata, backend: str):
+        """Writes k/v [B, T, K, H] into their pages, then runs paged attention for q."""
+        page, offset = self.slot_indices(meta)
+        kc = self.k[layer].at[:, page, offset].set(
+            jnp.moveaxis(k, 2, 0).astype(self.k[layer].dtype))
+        vc = self.v[layer].at[:, page, offset].set(
+            jnp.moveaxis(v, 2, 0).astype(self.v[layer].dtype))
+        out = attn_ops.paged_attention(q, kc, vc, meta.block_tables, meta.q_start, meta.lengths,
+                                       backend=backend)
+        new_k = self.k[:layer] + (kc,) + self.k[layer + 1:]
+        new_v = self.v[:layer] + (vc,) + self.v[layer + 1:]
+        return out, self.replace(k=new_k, v=new_v)
+
+    def copy_pages(self, src: Array, dst: Array) -> "PagedKVCache":
+        """Copies pages src [C] -> dst [C] in every layer (copy-on-write)."""
+        k = tuple(x.at[:, dst].set(x[:, src]) for x in self.k)
+        v = tuple(x.at[:, dst].set(x[:, src]) for x in self.v)
+        return self.replace(k=k, v=v)

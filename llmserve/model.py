@@ -1,0 +1,168 @@
+"""Flax (linen) decoder for the Llama family: GQA/MQA, RoPE, RMSNorm, SwiGLU.
+
+Einsum letters, used in every module of llmserve:
+  B batch/slots, T query tokens, S key/value tokens, N query heads, K kv heads,
+  G query heads per kv head (N = K*G), H head dim, D model dim, F ffn dim, V vocab,
+  P pages, L page size (tokens per page).
+
+The model is functional: ``Transformer(cfg).apply({"params": p}, tokens, meta, cache)`` returns
+``(logits, cache)``. The KV cache (dense or paged, see ``kv_cache.py``) is passed in and returned;
+there are no mutable Flax collections. Attention goes through ``cache.update_and_attend``,
+which writes the new K/V and calls the dispatcher in ``ops/attention.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llmserve.config import ModelConfig
+from llmserve.kv_cache import AttentionMetadata
+
+Array = jax.Array
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [H/2] (float64 on host), with Llama 3 / linear scaling applied."""
+    h = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    if s.rope_type == "linear":
+        return inv / s.factor
+    # Llama 3: keep high frequencies, divide low ones by `factor`, blend in between.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * np.pi / inv
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv / s.factor + smooth * inv
+    out = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return np.where(mid, blended, out)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
+    """Rotates x [B, T, heads, H] by positions [B, T] (the "rotate half" convention of HF)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
+    sin = jnp.sin(angles)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32."""
+
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def _dense(features: int, name: str, cfg: ModelConfig, bias: bool = False) -> nn.Dense:
+    return nn.Dense(features, use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_dtype,
+                    kernel_init=nn.initializers.normal(0.02), name=name)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: N query heads over K kv heads; K/V are never repeated."""
+
+    cfg: ModelConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x: Array, meta: AttentionMetadata, cache: Any, backend: str):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        n, k, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q = _dense(n * h, "q_proj", cfg, cfg.qkv_bias)(x).reshape(b, t, n, h)
+        kk = _dense(k * h, "k_proj", cfg, cfg.qkv_bias)(x).reshape(b, t, k, h)
+        vv = _dense(k * h, "v_proj", cfg, cfg.qkv_bias)(x).reshape(b, t, k, h)
+        inv_freq = rope_frequencies(cfg)
+        q = apply_rope(q, meta.positions, inv_freq)
+        kk = apply_rope(kk, meta.positions, inv_freq)
+        out, cache = cache.update_and_attend(self.layer, q, kk, vv, meta, backend)  # [B,T,N,H]
+        out = _dense(cfg.d_model, "o_proj", cfg)(out.reshape(b, t, n * h).astype(cfg.jnp_dtype))
+        return out, cache
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.cfg
+        gate = _dense(cfg.ffn_dim, "gate_proj", cfg)(x)
+        up = _dense(cfg.ffn_dim, "up_proj", cfg)(x)
+        return _dense(cfg.d_model, "down_proj", cfg)(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block."""
+
+    cfg: ModelConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x: Array, meta: AttentionMetadata, cache: Any, backend: str):
+        cfg = self.cfg
+        h = RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="attn_norm")(x)
+        a, cache = Attention(cfg, self.layer, name="attn")(h, meta, cache, backend)
+        x = x + a
+        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="mlp_norm")(x))
+        return x, cache
+
+
+class Transformer(nn.Module):
+    """The decoder: tokens [B, T] -> logits [B, T, V] (float32), cache in and out.
+
+    ``logits_index`` [B] (optional) selects one position per sequence, so prefill returns
+    logits [B, 1, V] for the last prompt token instead of projecting every position.
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens: Array, meta: AttentionMetadata, cache: Any,
+                 backend: str = "xla", logits_index: Array | None = None):
+        cfg = self.cfg
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype,
+                         param_dtype=cfg.jnp_dtype, embedding_init=nn.initializers.normal(0.02),
+                         name="embed")
+        x = embed(tokens)
+        for i in range(cfg.n_layers):
+            x, cache = Block(cfg, i, name=f"layers_{i}")(x, meta, cache, backend)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None].astype(jnp.int32), axis=1)
+        x = RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="final_norm")(x)
+        if cfg.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = _dense(cfg.vocab_size, "lm_head", cfg)(x)
+        return logits.astype(jnp.float32), cache
+
+
+def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
+    """Random parameters (normal(0.02) kernels, unit norms) for a config: tests and training."""
+    from llmserve.kv_cache import DenseKVCache
+
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    meta = AttentionMetadata.for_dense(jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
+    cache = DenseKVCache.create(cfg, batch=1, max_len=1)
+    variables = jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(seed), tokens, meta, cache)
+    return variables["params"]

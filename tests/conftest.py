@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random Hugging Face models built offline from configs."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+def make_hf_model(kind: str, n_heads: int, n_kv_heads: int, *, tie: bool = False, seed: int = 0,
+                  vocab: int = 256, hidden: int = 64, layers: int = 2, rope_scaling=None):
+    """A random HF causal LM (llama / mistral / qwen2) in float32."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=n_heads,
+                  num_key_value_heads=n_kv_heads, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=tie, rope_theta=10000.0)
+    if rope_scaling is not None:
+        common["rope_scaling"] = rope_scaling
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+    config = cls[0](**common)
+    model = cls[1](config).eval().to(torch.float32)
+    # Spread the weights so logits are of order 10 and norms are not all ones.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "bias" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (1.0 / p.shape[-1] ** 0.5) * 1.5)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_dir_factory(tmp_path_factory):
+    """Builds and saves a random HF model once per spec; returns (dir, torch model)."""
+    cache = {}
+
+    def build(kind, n_heads, n_kv_heads, **kw):
+        key = (kind, n_heads, n_kv_heads, tuple(sorted((k, str(v)) for k, v in kw.items())))
+        if key not in cache:
+            model = make_hf_model(kind, n_heads, n_kv_heads, **kw)
+            d = tmp_path_factory.mktemp(f"{kind}_{n_heads}_{n_kv_heads}")
+            model.save_pretrained(d, safe_serialization=True)
+            cache[key] = (str(d), model)
+        return cache[key]
+
+    return build
