@@ -1,0 +1,147 @@
+"""LLM: the offline batch API, shaped like vLLM's ``LLM.generate`` / ``LLM.chat``."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from llmserve.engine import Engine, EngineConfig
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+Prompt = Union[str, Sequence[int], dict]
+
+
+class LLM:
+    """Loads a model and serves batches of prompts with continuous batching.
+
+    ``model`` is a Hugging Face directory (config.json + safetensors + tokenizer.json), a
+    ``.gguf`` file, or None for the built-in SmolLM2-135M-Instruct. Engine knobs follow vLLM:
+    ``max_model_len``, ``max_num_seqs``, ``page_size`` (vLLM's block_size), ``num_pages`` or
+    ``kv_cache_memory`` (bytes), ``enable_prefix_caching``, ``scheduling`` and ``backend``.
+    """
+
+    def __init__(self, model: Optional[str] = None, *, dtype: str = "float32",
+                 max_model_len: int = 2048, max_num_seqs: int = 32, page_size: int = 16,
+                 num_pages: Optional[int] = None, kv_cache_memory: Optional[int] = None,
+                 backend: Optional[str] = None, enable_prefix_caching: bool = True,
+                 max_num_batched_tokens: int = 512, scheduling: str = "continuous",
+                 seed: int = 0, tokenizer: Any = None, params: Any = None,
+                 model_config: Any = None, warmup: bool = True, **engine_kwargs):
+        from llmserve.checkpoint import load_checkpoint
+
+        if params is not None:
+            if model_config is None:
+                raise ValueError("LLM(params=...) also needs model_config=")
+            cfg = model_config
+        else:
+            cfg, params = load_checkpoint(model, dtype=dtype)
+        if tokenizer is None and (model is None or isinstance(model, str)):
+            tokenizer = _load_tokenizer(model)
+        self.model = model
+        self.tokenizer = tokenizer
+        max_model_len = min(max_model_len, cfg.max_position_embeddings)
+        config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              page_size=page_size, num_pages=num_pages,
+                              kv_cache_memory=kv_cache_memory, backend=backend,
+                              enable_prefix_caching=enable_prefix_caching,
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              scheduling=scheduling, seed=seed, **engine_kwargs)
+        self.engine = Engine(cfg, params, tokenizer, config)
+        if warmup:
+            self.engine.warmup()
+
+    @property
+    def config(self):
+        return self.engine.cfg
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates completions for all prompts; returns outputs in prompt order.
+
+        Every prompt is validated before any is queued: one bad prompt raises ValueError and
+        nothing from this call runs.
+        """
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} SamplingParams for "
+                                 f"{len(prompts)} prompts")
+        ids = self._add_all(prompts, params_list)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Chat: one conversation (a list of {"role", "content"}) or a list of them."""
+        if self.tokenizer is None:
+            raise ValueError("LLM.chat needs a tokenizer with a chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add_all(self, prompts, params_list) -> list[str]:
+        engine = self.engine
+        # Validate everything first so a bad prompt leaves no request behind.
+        for p, sp in zip(prompts, params_list):
+            sp.validate()
+            _, toks = engine._tokenize(p)
+            if not toks:
+                raise ValueError("empty prompt")
+        ids = []
+        base = engine._counter
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params_list)):
+                ids.append(engine.add_request(f"gen-{base}-{i}", p, sp))
+        except ValueError:
+            for rid in ids:
+                engine.abort(rid)
+            raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        wanted = set(ids)
+        while len(done) < len(ids):
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError("engine has no work but requests are unfinished")
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted and out.request_id not in done:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts
+
+
+def _load_tokenizer(model: Optional[str]):
+    import os
+
+    from llmserve import tokenizer as tok
+
+    if model is None:
+        from llmserve.checkpoint.gguf import default_model_path
+
+        return tok.Tokenizer.from_gguf(default_model_path())
+    if model.endswith(".gguf"):
+        return tok.Tokenizer.from_gguf(model)
+    if os.path.exists(os.path.join(model, "tokenizer.json")):
+        return tok.Tokenizer.from_pretrained_dir(model)
+    return None

@@ -1,0 +1,234 @@
+"""Host-side iteration-level scheduling over a fixed number of slots.
+
+Each step the scheduler decides, from small Python state, which sequences decode (one token
+each) and which prefill a chunk of their prompt under a per-step token budget, so a long prompt
+never stalls decoding. It admits waiting sequences FCFS when a slot and pages are free, and when
+pages run out it preempts the newest running sequence by recompute (its pages are freed and it
+goes back to the front of the queue; nothing is ever dropped). The ``static`` policy admits a
+new batch only when every slot is free, for ablations.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+from typing import Optional
+
+from llmserve.block_manager import BlockManager, NoFreePages
+from llmserve.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One completion being generated (a request with n > 1 has n sequences)."""
+
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    seq_id: int = dataclasses.field(default_factory=lambda: next(_ids))
+    status: Status = Status.WAITING
+    slot: Optional[int] = None
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached: int = 0  # prompt tokens served by the prefix cache
+    fork_from: Optional["Sequence"] = None  # n > 1: share this sequence's pages once it prefills
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    logprobs: list = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while some K/V before the last token still has to be computed."""
+        return self.num_computed < self.num_tokens - 1 or not self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def final(self) -> bool:
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one engine step runs: decode rows, prefill chunks, and page copies to do first."""
+
+    decode: list[Sequence]
+    prefill: list[PrefillChunk]
+    copies: list[tuple[int, int]]
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    """Waiting/running queues, slots, admission, chunked prefill and preemption."""
+
+    def __init__(self, blocks: BlockManager, *, max_slots: int, max_prefill_rows: int,
+                 max_chunk: int, max_num_batched_tokens: int, policy: str = "continuous"):
+        if policy not in ("continuous", "static"):
+            raise ValueError(f"unknown scheduling policy {policy!r}; use continuous or static")
+        self.blocks = blocks
+        self.max_slots = max_slots
+        self.max_prefill_rows = max_prefill_rows
+        self.max_chunk = max_chunk
+        self.budget = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # admission order: the last is the newest
+        self.free_slots = list(range(max_slots - 1, -1, -1))
+
+    # ------------------------------------------------------------------ queues
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """Ends a sequence: frees its pages and its slot the same step."""
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.seq_id)
+        self.free_slots.append(seq.slot)
+        seq.slot = None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the K/V, keep the tokens, requeue at the front."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------ planning
+    def schedule(self) -> Plan:
+        """Builds the next step's plan."""
+        copies: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+        decode = self._reserve_decode(copies, preempted)
+        budget = self.budget - len(decode)
+        prefill: list[PrefillChunk] = []
+        for seq in self.running:
+            if len(prefill) >= self.max_prefill_rows or budget <= 0:
+                break
+            if seq.in_prefill and seq not in decode:
+                chunk = self._chunk(seq, budget)
+                prefill.append(chunk)
+                budget -= chunk.length
+        self._admit(prefill, budget, copies)
+        return Plan(decode=decode, prefill=prefill, copies=copies, preempted=preempted)
+
+    def _reserve_decode(self, copies, preempted) -> list[Sequence]:
+        decode: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status != Status.RUNNING or seq.in_prefill:
+                continue
+            while True:
+                try:
+                    copies.extend(self.blocks.append(seq.seq_id, 1))
+                    decode.append(seq)
+                    break
+                except NoFreePages:
+                    victim = self.running[-1]
+                    if victim in decode:
+                        decode.remove(victim)
+                    self.preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+        return decode
+
+    def _chunk(self, seq: Sequence, budget: int) -> PrefillChunk:
+        length = min(seq.num_tokens - seq.num_computed, self.max_chunk, budget)
+        return PrefillChunk(seq, seq.num_computed, length)
+
+    def _admit(self, prefill: list[PrefillChunk], budget: int, copies: list) -> None:
+        if self.policy == "static" and self.running:
+            return
+        while (self.waiting and self.free_slots and budget > 0
+               and len(prefill) < self.max_prefill_rows):
+            seq = self.waiting[0]
+            if seq.fork_from is not None and not seq.fork_from.finished:
+                if not self._try_fork(seq, copies):
+                    break
+                prefill.append(PrefillChunk(seq, seq.num_computed, 1))
+                budget -= 1
+                continue
+            if not self.blocks.can_allocate(seq.all_ids):
+                break
+            self.waiting.popleft()
+            seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids)
+            if seq.num_preemptions == 0:
+                seq.num_cached = seq.num_computed
+            self._start(seq)
+            chunk = self._chunk(seq, budget)
+            prefill.append(chunk)
+            budget -= chunk.length
+
+    def _try_fork(self, seq: Sequence, copies: list) -> bool:
+        """n > 1: once the parent's prompt is computed, the child shares its pages (COW)."""
+        parent = seq.fork_from
+        if parent.status != Status.RUNNING or parent.num_computed < len(parent.prompt_ids):
+            return False
+        self.blocks.fork(parent.seq_id, seq.seq_id)
+        # Re-feed the last prompt token so the child samples its own first token; its write
+        # into the shared last page is what copy-on-write protects.
+        self.blocks.truncate(seq.seq_id, len(seq.prompt_ids) - 1)
+        try:
+            copies.extend(self.blocks.append(seq.seq_id, 1))
+        except NoFreePages:
+            self.blocks.free(seq.seq_id)
+            return False
+        self.waiting.popleft()
+        seq.num_computed = len(seq.prompt_ids) - 1
+        seq.num_cached = parent.num_cached
+        self._start(seq)
+        return True
+
+    def _start(self, seq: Sequence) -> None:
+        seq.status = Status.RUNNING
+        seq.slot = self.free_slots.pop()
+        self.running.append(seq)

@@ -1,0 +1,223 @@
+"""One attention test suite, run against every backend (tokamax style).
+
+``AttentionSuite`` holds the cases; each subclass names a backend (reference, xla with its direct
+and chunked paths, Pallas in interpret mode). Every backend is compared with the plain-jnp
+reference ``attention_reference`` / ``paged_attention_reference``.
+
+Inputs are random normals; K/V slots past a sequence's length hold a large finite poison (100)
+so a leaked key changes the answer, pages no block table references hold NaN, and Pallas
+interpret mode starts its outputs as NaN, so an unwritten row fails the comparison.
+
+Tolerance by dtype (max abs and rel): float32 1e-5 / 2e-5; bfloat16 2e-2 / 2e-2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmserve.ops import attention as attn
+from llmserve.ops import flash_attention as fa
+from llmserve.ops import paged_attention as pa
+
+TOL = {jnp.float32: dict(atol=1e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+POISON = 100.0
+
+# Contiguous cases: (id, B, T, S, N, K, H, q_start, lengths)
+CONTIGUOUS = [
+    ("prefill_smollm2_g3", 2, 37, 40, 9, 3, 64, [0, 0], [37, 1]),
+    ("chunked_prefill_mqa_g4", 2, 20, 64, 4, 1, 64, [30, 5], [50, 25]),
+    ("verify_mha_h128", 2, 5, 40, 2, 2, 128, [35, 0], [40, 3]),
+    ("prefill_g8", 1, 16, 16, 16, 2, 64, [0], [16]),
+    ("decode_g4_with_empty_slot", 3, 1, 33, 8, 2, 64, [0, 32, 0], [1, 33, 0]),
+]
+# Paged cases: (id, B, T, N, K, H, L, M, lengths, q_start)
+PAGED = [
+    ("decode_smollm2_l16", 4, 1, 9, 3, 64, 16, 4, [1, 16, 64, 37], None),
+    ("verify_t5_g4_l32", 3, 5, 8, 2, 64, 32, 3, [5, 32, 70], None),
+    ("chunked_prefill_mha_h128", 2, 5, 2, 2, 128, 16, 3, [40, 21], [37, 16]),
+    ("decode_mqa_g8_l32", 2, 1, 8, 1, 64, 32, 2, [64, 33], None),
+    ("padding_slot_g3", 2, 5, 9, 3, 64, 16, 2, [0, 20], [0, 15]),
+]
+BF16_CONTIGUOUS = ("prefill_smollm2_g3", "chunked_prefill_mqa_g4")
+BF16_PAGED = ("decode_smollm2_l16", "verify_t5_g4_l32")
+
+
+# The oracles, jitted once per shape (eager op-by-op dispatch is slower than compiling).
+attention_reference = jax.jit(attn.attention_reference)
+paged_attention_reference = jax.jit(attn.paged_attention_reference)
+
+
+def contiguous_inputs(case, dtype, seed=0):
+    """Random q/k/v with poisoned K/V past each length."""
+    _, b, t, s, n, kh, h, q_start, lengths = case
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, t, n, h))
+    k = rng.standard_normal((b, s, kh, h))
+    v = rng.standard_normal((b, s, kh, h))
+    stale = np.arange(s)[None, :] >= np.asarray(lengths)[:, None]  # [B, S]
+    k[stale] = POISON
+    v[stale] = POISON
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(q_start, jnp.int32), jnp.asarray(lengths, jnp.int32))
+
+
+def paged_inputs(case, dtype, seed=0):
+    """Random pages in a shuffled pool. Page 0 is the dummy page (finite poison) that unused
+    block-table entries point to; pages no table references hold NaN."""
+    _, b, t, n, kh, h, size, m, lengths, q_start = case
+    lengths = np.asarray(lengths)
+    q_start = np.maximum(lengths - t, 0) if q_start is None else np.asarray(q_start)
+    num_pages = 1 + b * m + 3
+    rng = np.random.default_rng(seed)
+    k_pages = np.full((kh, num_pages, size, h), np.nan)
+    v_pages = np.full((kh, num_pages, size, h), np.nan)
+    k_pages[:, 0] = v_pages[:, 0] = POISON
+    tables = np.zeros((b, m), np.int32)
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    for i in range(b):
+        for j in range(-(-lengths[i] // size)):
+            page = free.pop()
+            tables[i, j] = page
+            k_pages[:, page] = rng.standard_normal((kh, size, h))
+            v_pages[:, page] = rng.standard_normal((kh, size, h))
+            stale = j * size + np.arange(size) >= lengths[i]
+            k_pages[:, page, stale] = POISON
+            v_pages[:, page, stale] = POISON
+    q = rng.standard_normal((b, t, n, h))
+    return (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
+            jnp.asarray(tables), jnp.asarray(q_start, jnp.int32),
+            jnp.asarray(lengths, jnp.int32))
+
+
+def assert_close(out, want, dtype):
+    assert out.shape == want.shape and out.dtype == want.dtype, (out.shape, want.shape)
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all(), "NaN/inf in output (unwritten or leaked rows)"
+    np.testing.assert_allclose(out, np.asarray(want.astype(jnp.float32)), **TOL[dtype])
+
+
+def _cases(cases, bf16_ids):
+    params = [pytest.param(c, jnp.float32, id=f"{c[0]}-f32") for c in cases]
+    params += [pytest.param(c, jnp.bfloat16, id=f"{c[0]}-bf16") for c in cases
+               if c[0] in bf16_ids]
+    return params
+
+
+class AttentionSuite:
+    """Shared cases; subclasses implement ``contiguous`` and ``paged`` for one backend."""
+
+    def contiguous(self, q, k, v, q_start, lengths):
+        raise NotImplementedError
+
+    def paged(self, q, k_pages, v_pages, block_tables, q_start, lengths):
+        raise NotImplementedError
+
+    @pytest.mark.parametrize("case,dtype", _cases(CONTIGUOUS, BF16_CONTIGUOUS))
+    def test_contiguous_matches_reference(self, case, dtype):
+        args = contiguous_inputs(case, dtype)
+        want = attention_reference(*args)
+        assert_close(self.contiguous(*args), want, dtype)
+
+    @pytest.mark.parametrize("case,dtype", _cases(PAGED, BF16_PAGED))
+    def test_paged_matches_reference(self, case, dtype):
+        args = paged_inputs(case, dtype)
+        want = paged_attention_reference(*args)
+        assert_close(self.paged(*args), want, dtype)
+
+    def test_query_seeing_no_key_returns_zeros(self):
+        # Sequence 1 is a padding slot (length 0): all its queries see nothing.
+        case = ("empty", 2, 3, 16, 4, 2, 64, [0, 0], [16, 0])
+        out = self.contiguous(*contiguous_inputs(case, jnp.float32))
+        assert np.isfinite(np.asarray(out)).all()
+        np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
+
+
+class TestReference(AttentionSuite):
+    """The dispatcher's "reference" backend (checks the plumbing; the oracle is the same math)."""
+
+    def contiguous(self, *args):
+        return jax.jit(functools.partial(attn.attention, backend="reference"))(*args)
+
+    def paged(self, *args):
+        return jax.jit(functools.partial(attn.paged_attention, backend="reference"))(*args)
+
+
+class TestXla(AttentionSuite):
+    """The dispatcher's "xla" backend (direct einsum at these sizes)."""
+
+    def contiguous(self, *args):
+        return jax.jit(functools.partial(attn.attention, backend="xla"))(*args)
+
+    def paged(self, *args):
+        return jax.jit(functools.partial(attn.paged_attention, backend="xla"))(*args)
+
+
+class TestXlaChunked(AttentionSuite):
+    """flash_attention_xla forced onto its chunked online-softmax path with tiny chunks."""
+
+    def contiguous(self, *args):
+        f = functools.partial(fa.flash_attention_xla, chunk_q=8, chunk_k=16, direct_score_bytes=0)
+        return jax.jit(f)(*args)
+
+    def paged(self, q, k_pages, v_pages, block_tables, q_start, lengths):
+        k = attn.gather_pages(k_pages, block_tables)
+        v = attn.gather_pages(v_pages, block_tables)
+        return self.contiguous(q, k, v, q_start, lengths)
+
+
+class TestPallasInterpret(AttentionSuite):
+    """The Pallas kernels in interpret mode; small blocks so every loop runs several steps."""
+
+    def contiguous(self, *args):
+        return fa.flash_attention(*args, block_q=16, block_k=16, interpret=True)
+
+    def paged(self, *args):
+        return attn.paged_attention(*args, backend="pallas_interpret")
+
+    def test_dispatcher_default_blocks(self):
+        case = ("multi_block_defaults", 1, 70, 150, 9, 3, 64, [80], [150])
+        args = contiguous_inputs(case, jnp.float32)
+        out = attn.attention(*args, backend="pallas_interpret")
+        assert_close(out, attention_reference(*args), jnp.float32)
+
+
+def test_shape_errors_name_the_shapes():
+    q = jnp.zeros((1, 2, 6, 64))
+    k = jnp.zeros((1, 8, 4, 64))
+    idx = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match=r"\(1, 2, 6, 64\)"):
+        fa.flash_attention(q, k, k, idx, idx, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        fa.flash_attention(q[:, :, :4], k, k, idx, idx, block_q=24, interpret=True)
+    pages = jnp.zeros((2, 3, 12, 64))
+    with pytest.raises(ValueError, match=r"page size L=12"):
+        pa.paged_attention(q[:, :, :4], pages, pages, jnp.zeros((1, 2), jnp.int32), idx, idx,
+                           interpret=True)
+
+
+def _temp_bytes(f, *shapes) -> int:
+    return jax.jit(f).lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_xla_prefill_memory_at_16k_tokens():
+    """Compiled temp memory of the XLA prefill path at 16k tokens is <= 1/50 of naive attention.
+
+    Measured with jax 0.10.2 on CPU, B=1, T=S=16384, N=9, K=3, H=64, float32:
+    naive attention_reference 19,339,935,744 B (18.0 GiB) vs flash_attention_xla 87,745,232 B
+    (83.7 MiB): 220x less. (N=K=1: 2.0 GiB vs 6.4 MiB, 320x.)
+    """
+    t, n, kh, h = 16384, 9, 3, 64
+    spec = jax.ShapeDtypeStruct
+    shapes = (spec((1, t, n, h), jnp.float32), spec((1, t, kh, h), jnp.float32),
+              spec((1, t, kh, h), jnp.float32), spec((1,), jnp.int32), spec((1,), jnp.int32))
+    naive = _temp_bytes(attn.attention_reference, *shapes)
+    ours = _temp_bytes(fa.flash_attention_xla, *shapes)
+    print(f"temp bytes at {t} tokens: naive {naive:,} vs flash_attention_xla {ours:,} "
+          f"({naive / ours:.0f}x)")
+    assert naive > 16 * 2**30
+    assert ours * 50 <= naive, (naive, ours)

@@ -1,0 +1,156 @@
+"""Engine: continuous batching over a paged cache equals the reference generate."""
+
+import numpy as np
+import pytest
+
+from llmserve.config import preset
+from llmserve.engine import Engine, EngineConfig
+from llmserve.model import init_params
+from llmserve.reference import generate_reference
+from llmserve.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = preset("tiny-9-3")
+    return cfg, init_params(cfg, seed=5)
+
+
+def make_engine(cfg, params, **kw):
+    base = dict(max_model_len=96, max_num_seqs=8, page_size=4, max_num_batched_tokens=32,
+                prefill_buckets=((1, 8), (4, 16)), decode_buckets=(2, 4, 8), max_logprobs=2)
+    base.update(kw)
+    eng = Engine(cfg, params, None, EngineConfig(**base))
+    eng.warmup()
+    return eng
+
+
+def run_all(eng, prompts, params):
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(str(i), p, sp)
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return [outs[str(i)] for i in range(len(prompts))]
+
+
+def random_workload(cfg, n, seed=0, max_prompt=30, max_new=20):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, cfg.vocab_size, rng.integers(1, max_prompt)).tolist()
+               for _ in range(n)]
+    lens = rng.integers(1, max_new, n).tolist()
+    return prompts, lens
+
+
+def test_greedy_matches_reference_under_continuous_batching(tiny):
+    cfg, params = tiny
+    prompts, lens = random_workload(cfg, 32)
+    eng = make_engine(cfg, params)
+    compiles = eng.runner.num_compilations()
+    outs = run_all(eng, prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                  for n in lens])
+    assert eng.runner.num_compilations() == compiles  # nothing compiled after warm-up
+    want = generate_reference(params, cfg, prompts, max(lens))  # one padded batch
+    for n, w, o in zip(lens, want, outs):
+        assert o.outputs[0].token_ids == w[:n]
+        assert o.outputs[0].finish_reason == "length"
+    assert eng.blocks.all_free()
+
+
+def test_preemption_completes_everything_identically(tiny):
+    cfg, params = tiny
+    prompts, lens = random_workload(cfg, 12, seed=1, max_new=40)
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    small = make_engine(cfg, params, num_pages=30)  # 29 usable pages of 4 tokens
+    outs = run_all(small, prompts, sps)
+    assert small.stats["preemptions"] > 0
+    big = make_engine(cfg, params)
+    want = run_all(big, prompts, sps)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    assert small.blocks.all_free()
+
+
+def test_static_policy_same_outputs(tiny):
+    cfg, params = tiny
+    prompts, lens = random_workload(cfg, 10, seed=2)
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    a = run_all(make_engine(cfg, params, scheduling="static"), prompts, sps)
+    b = run_all(make_engine(cfg, params), prompts, sps)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_prefix_cache_hits_and_unchanged_outputs(tiny):
+    cfg, params = tiny
+    system = list(range(10, 30))  # 20 tokens = 5 full pages of 4
+    prompts = [system + [40 + i, 50 + i, 60 + i] for i in range(4)]
+    sps = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 4
+    eng = make_engine(cfg, params)
+    first = run_all(eng, prompts[:1], sps[:1])
+    hits0 = eng.blocks.stats.prefix_hits
+    rest = run_all(eng, prompts[1:], sps[1:])
+    assert eng.blocks.stats.prefix_hits - hits0 == 5 * 3  # each later prompt reuses 5 pages
+    off = make_engine(cfg, params, enable_prefix_caching=False)
+    want = run_all(off, prompts, sps)
+    got = first + rest
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_n_greater_than_one_shares_pages_copy_on_write(tiny):
+    cfg, params = tiny
+    eng = make_engine(cfg, params)
+    prompt = list(range(1, 11))  # 10 tokens: the last page (2 of 4 slots) is shared
+    out = run_all(eng, [prompt], [SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8,
+                                                 ignore_eos=True)])[0]
+    assert len(out.outputs) == 3
+    assert eng.blocks.stats.cow_copies == 2  # two of the three writers copy the shared page
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert eng.blocks.all_free()
+
+
+def test_seeded_sampling_is_batch_independent(tiny):
+    cfg, params = tiny
+    sp = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True)
+    alone = run_all(make_engine(cfg, params), [[5, 6, 7]], [sp])[0].outputs[0].token_ids
+    prompts, lens = random_workload(cfg, 7, seed=3)
+    others = [SamplingParams(temperature=1.0, seed=i, max_tokens=n) for i, n in enumerate(lens)]
+    mixed = run_all(make_engine(cfg, params), prompts[:3] + [[5, 6, 7]] + prompts[3:],
+                    others[:3] + [sp] + others[3:])
+    assert mixed[3].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(prompt=[]), "empty prompt"),
+    (dict(prompt=list(range(1, 100))), "max_model_len"),
+    (dict(prompt=[1, 2, 10_000]), "out of range"),
+    (dict(params=dict(temperature=-1.0)), "temperature"),
+    (dict(params=dict(top_p=0.0)), "top_p"),
+    (dict(params=dict(max_tokens=0)), "max_tokens"),
+    (dict(params=dict(n=0)), "n="),
+])
+def test_bad_input_rejected_before_queueing(tiny, bad, match):
+    cfg, params = tiny
+    eng = make_engine(cfg, params)
+    eng.add_request("ok", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5))
+    with pytest.raises(ValueError, match=match):
+        sp = SamplingParams(**bad["params"]) if "params" in bad else SamplingParams()
+        eng.add_request("bad", bad.get("prompt", [1, 2]), sp)
+    assert "bad" not in eng.requests
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == ["ok"] and len(done[0].outputs[0].token_ids) == 5
+
+
+def test_abort_frees_pages(tiny):
+    cfg, params = tiny
+    eng = make_engine(cfg, params)
+    eng.add_request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=50))
+    eng.add_request("b", [6, 7], SamplingParams(temperature=0, max_tokens=3))
+    for _ in range(3):
+        eng.step()
+    eng.abort("a")
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.blocks.all_free()

@@ -1,0 +1,368 @@
+"""Tests for llmserve/sampling.py: invariants, numpy references, and no recompilation."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from llmserve import sampling
+from llmserve.sampling import SamplingArrays
+
+# Every call runs at one padded shape, so the whole file compiles each function once (compiles
+# dominate the runtime): rows are padded with neutral slots, the vocab with -inf logits.
+_B, _V = 2048, 64
+_sample_jit = jax.jit(sampling.sample, static_argnames=("num_logprobs",))
+_process_jit = jax.jit(sampling.process_logits)
+_probs_jit = jax.jit(sampling.probs_from_logits)
+
+
+def _arrays(rows):
+    return SamplingArrays.from_lists(rows)
+
+
+def _pad(logits, rows, counts=None, prompt_mask=None):
+    b, v = logits.shape
+    assert b <= _B and v <= _V
+    full = np.zeros((_B, _V), np.float32)
+    full[:b] = -np.inf
+    full[:b, :v] = logits
+    c = np.zeros((_B, _V), np.int32)
+    m = np.zeros((_B, _V), bool)
+    if counts is not None:
+        c[:b, :v] = counts
+    if prompt_mask is not None:
+        m[:b, :v] = prompt_mask
+    arrays = _arrays(list(rows) + [{}] * (_B - b))
+    return jnp.asarray(full), arrays, jnp.asarray(c), jnp.asarray(m)
+
+
+def _sample(logits, rows, positions, counts=None, prompt_mask=None):
+    """sample() on rows [b, v] padded to [_B, _V]; returns numpy (tokens, logprobs, ids, lps)."""
+    b, v = np.shape(logits)
+    full, arrays, c, m = _pad(np.asarray(logits), rows, counts, prompt_mask)
+    pos = np.zeros(_B, np.int32)
+    pos[:b] = positions
+    out = _sample_jit(full, arrays, jnp.asarray(pos), c, m, num_logprobs=4)
+    return jax.tree.map(lambda x: np.asarray(x)[:b], out)
+
+
+def _process(logits, rows, counts=None, prompt_mask=None):
+    b, v = np.shape(logits)
+    return np.asarray(_process_jit(*_pad(np.asarray(logits), rows, counts, prompt_mask)))[:b, :v]
+
+
+def _probs(logits, rows):
+    b, v = np.shape(logits)
+    return np.asarray(_probs_jit(*_pad(np.asarray(logits), rows)))[:b, :v]
+
+
+def _tile(row, n):
+    return np.tile(np.asarray(row, np.float32)[None], (n, 1))
+
+
+# --- numpy references (vLLM semantics) ---------------------------------------------------------
+
+
+def _np_penalties(logits, rp, fp, pp, counts, prompt_mask):
+    out = logits.astype(np.float64).copy()
+    seen = (counts > 0) | prompt_mask
+    rp = rp[:, None]
+    out = np.where(seen, np.where(out > 0, out / rp, out * rp), out)
+    out -= fp[:, None] * counts
+    out -= pp[:, None] * (counts > 0)
+    return out
+
+
+def _np_top_k_top_p(logits, k, p):
+    """vLLM's _apply_top_k_top_p: ascending sort, mask, scatter back."""
+    out = np.array(logits, np.float64)
+    for b in range(out.shape[0]):
+        order = np.argsort(out[b], kind="stable")
+        srt = out[b][order]
+        vocab = srt.size
+        if 0 < k[b] < vocab:
+            srt = np.where(srt < srt[vocab - k[b]], -np.inf, srt)
+        if p[b] < 1.0:
+            probs = np.exp(srt - srt.max())
+            probs /= probs.sum()
+            drop = np.cumsum(probs) <= 1 - p[b]
+            drop[-1] = False
+            srt = np.where(drop, -np.inf, srt)
+        out[b][order] = srt
+    return out
+
+
+# --- SamplingArrays ----------------------------------------------------------------------------
+
+
+def test_neutral_and_from_lists():
+    a = SamplingArrays.neutral(3)
+    assert a.temperature.shape == (3,) and a.temperature.dtype == jnp.float32
+    assert a.top_k.dtype == jnp.int32 and a.seed.dtype == jnp.uint32
+    np.testing.assert_array_equal(a.top_p, 1.0)
+    np.testing.assert_array_equal(a.repetition_penalty, 1.0)
+    b = _arrays([{"temperature": 0.5, "top_k": 7, "seed": 2**32 + 5}, {"top_p": None}])
+    np.testing.assert_allclose(b.temperature, [0.5, 0.0])
+    np.testing.assert_array_equal(b.top_k, [7, 0])
+    np.testing.assert_array_equal(b.top_p, [1.0, 1.0])
+    np.testing.assert_array_equal(b.seed, [5, 0])
+    with pytest.raises(ValueError, match="unknown"):
+        _arrays([{"temprature": 1.0}])
+
+
+# --- greedy and temperature --------------------------------------------------------------------
+
+
+def test_top1_sampling_equals_greedy():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(16, 50)).astype(np.float32) * 3
+    top1 = [{"temperature": 1.5, "top_k": 1, "seed": i} for i in range(16)]
+    for step in range(3):
+        pos = np.full(16, step)
+        want = _sample(logits, [{}] * 16, pos).tokens
+        np.testing.assert_array_equal(want, logits.argmax(-1))
+        np.testing.assert_array_equal(_sample(logits, top1, pos).tokens, want)
+    # Greedy rows stay greedy beside sampled ones.
+    mixed = [{} if i % 2 else {"temperature": 5.0, "seed": i} for i in range(16)]
+    got = _sample(logits, mixed, np.zeros(16)).tokens
+    np.testing.assert_array_equal(got[1::2], want[1::2])
+    assert not np.array_equal(got[::2], want[::2])
+
+
+def test_temperature_to_zero_limit():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(64, 40)).astype(np.float32) * 3
+    cold = [{"temperature": 2e-5, "seed": i} for i in range(64)]
+    np.testing.assert_array_equal(_sample(logits, cold, np.arange(64)).tokens, logits.argmax(-1))
+    np.testing.assert_allclose(_probs(logits, cold).max(-1), 1.0, atol=1e-6)
+    # Greedy rows: probs_from_logits is a one-hot on the argmax.
+    one_hot = _probs(logits, [{}] * 64)
+    np.testing.assert_array_equal(one_hot.argmax(-1), logits.argmax(-1))
+    np.testing.assert_array_equal(one_hot.sum(-1), 1.0)
+
+
+# --- randomness --------------------------------------------------------------------------------
+
+
+def test_seeded_reproducible_and_batch_independent():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(6, _V)).astype(np.float32) * 2
+    rows = [
+        {"temperature": 1.0, "seed": 11},
+        {"temperature": 0.8, "top_k": 10, "seed": 12},
+        {"temperature": 1.2, "top_p": 0.9, "seed": 13},
+        {"seed": 14},  # greedy
+        {"temperature": 1.0, "min_p": 0.1, "seed": 15},
+        {"temperature": 1.0, "seed": 16},
+    ]
+    pos = np.array([3, 9, 4, 7, 1, 5])
+    full = _sample(logits, rows, pos).tokens
+    np.testing.assert_array_equal(_sample(logits, rows, pos).tokens, full)
+
+    # Same requests at other row indices, beside other requests (with and without filters and
+    # penalties of their own): the same tokens for the same (seed, position).
+    sel = [4, 0, 2]
+    others = rng.normal(size=(3, _V)).astype(np.float32)
+    other_rows = [{"temperature": 0.5, "top_k": 3, "seed": 98}, {"seed": 99},
+                  {"temperature": 1.0, "repetition_penalty": 1.5}]
+    sub_logits = np.concatenate([others[:1], logits[sel], others[1:]])
+    sub_rows = other_rows[:1] + [rows[i] for i in sel] + other_rows[1:]
+    sub_pos = np.concatenate([[0], pos[sel], [0, 0]])
+    counts = np.zeros((6, _V), np.int32)
+    counts[5, :10] = 2
+    sub = _sample(sub_logits, sub_rows, sub_pos, counts=counts).tokens
+    np.testing.assert_array_equal(sub[1:4], full[sel])
+
+    # The seed matters, and so does the position.
+    flat = _tile(np.zeros(_V), 32)
+    by_seed = _sample(flat, [{"temperature": 1.0, "seed": s} for s in range(32)], np.zeros(32))
+    by_pos = _sample(flat, [{"temperature": 1.0}] * 32, np.arange(32))
+    assert len(set(by_seed.tokens.tolist())) > 10
+    assert len(set(by_pos.tokens.tolist())) > 10
+
+
+def test_request_keys_depend_on_seed_and_position_only():
+    keys = sampling.request_keys(jnp.array([5, 5, 6], jnp.uint32), jnp.array([2, 2, 2]))
+    want = jax.random.fold_in(jax.random.PRNGKey(5), 2)
+    np.testing.assert_array_equal(keys[0], want)
+    np.testing.assert_array_equal(keys[1], want)
+    assert not np.array_equal(keys[2], want)
+
+
+# --- filters -----------------------------------------------------------------------------------
+
+
+def test_top_k_never_samples_outside_top_k():
+    rng = np.random.default_rng(3)
+    row = rng.normal(size=48).astype(np.float32)
+    k = 5
+    out = _sample(_tile(row, _B), [{"temperature": 3.0, "top_k": k, "seed": 1}] * _B,
+                  np.arange(_B))
+    # Never outside the top k, and every one of the k is reachable.
+    assert set(out.tokens.tolist()) == set(np.argsort(-row)[:k].tolist())
+
+
+def test_top_p_keeps_smallest_prefix_with_mass_p():
+    probs = np.array([0.1, 0.4, 0.05, 0.3, 0.15])  # sorted: 0.4, 0.3, 0.15, 0.1, 0.05
+    row = np.log(probs).astype(np.float32)
+    cases = {0.35: {1}, 0.6: {1, 3}, 0.8: {1, 3, 4}, 0.9: {1, 3, 4, 0}, 0.99: {0, 1, 2, 3, 4},
+             0.0: {1}}
+    out = _process(_tile(row, len(cases)), [{"temperature": 1.0, "top_p": p} for p in cases])
+    for i, (p, want) in enumerate(cases.items()):
+        assert set(np.flatnonzero(np.isfinite(out[i])).tolist()) == want, p
+    np.testing.assert_array_equal(out[1][[1, 3]], row[[1, 3]])  # kept logits unchanged
+
+
+def test_top_k_top_p_match_vllm_reference():
+    rng = np.random.default_rng(4)
+    b = 48
+    logits = rng.normal(size=(b, _V)).astype(np.float32) * rng.uniform(0.5, 4, (b, 1))
+    k = rng.integers(-1, _V + 5, size=b)
+    k[:4] = [0, 1, _V, _V - 1]
+    p = rng.uniform(0.05, 1.0, size=b)
+    p[4:8] = [1.0, 1.0, 0.5, 0.999]
+    rows = [{"temperature": 1.0, "top_k": int(k[i]), "top_p": float(p[i])} for i in range(b)]
+    got = np.isfinite(_process(logits, rows))
+    np.testing.assert_array_equal(got, np.isfinite(_np_top_k_top_p(logits, k, p)))
+
+
+def test_filters_follow_temperature_and_skip_greedy_rows():
+    row = np.log(np.array([0.5, 0.3, 0.2])).astype(np.float32)
+    # At temperature 2 the distribution flattens to 0.41, 0.32, 0.27: top-p 0.75 keeps all three.
+    out = _process(_tile(row, 3), [{"temperature": 2.0, "top_p": 0.75},
+                                   {"temperature": 1.0, "top_p": 0.75},
+                                   {"top_p": 0.1, "top_k": 1}])  # greedy: untouched
+    np.testing.assert_array_equal(np.isfinite(out), [[1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    np.testing.assert_allclose(out[0], row / 2.0, rtol=1e-6)
+    np.testing.assert_array_equal(out[2], row)
+
+
+def test_min_p():
+    row = np.log(np.array([0.25, 0.5, 0.15, 0.1])).astype(np.float32)
+    out = _process(_tile(row, 4), [
+        {"temperature": 1.0, "min_p": 0.25},  # keep p >= 0.125
+        {"temperature": 1.0, "min_p": 0.4},  # keep p >= 0.2
+        {"temperature": 1.0, "min_p": 0.0},
+        {"temperature": 1.0, "top_k": 2, "min_p": 0.6}])  # after top-k: keep p >= 0.3 * 2/3
+    np.testing.assert_array_equal(np.isfinite(out), [
+        [1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0]])
+
+
+# --- penalties ---------------------------------------------------------------------------------
+
+
+def test_penalties_match_numpy():
+    rng = np.random.default_rng(5)
+    b = 16
+    logits = rng.normal(size=(b, _V)).astype(np.float32) * 2
+    counts = (rng.integers(0, 4, size=(b, _V)) * (rng.random((b, _V)) < 0.3)).astype(np.int32)
+    prompt = rng.random((b, _V)) < 0.1
+    rp = rng.uniform(0.8, 1.6, b).astype(np.float32)
+    fp = rng.uniform(-0.5, 1.0, b).astype(np.float32)
+    pp = rng.uniform(-0.5, 1.0, b).astype(np.float32)
+    rp[0], fp[0], pp[0] = 1.0, 0.0, 0.0  # a neutral row stays bit-exact
+    rows = [{"repetition_penalty": float(rp[i]), "frequency_penalty": float(fp[i]),
+             "presence_penalty": float(pp[i])} for i in range(b)]
+    want = _np_penalties(logits, rp, fp, pp, counts, prompt)
+    got = jax.jit(sampling.apply_penalties)(jnp.asarray(logits), _arrays(rows),
+                                            jnp.asarray(counts), jnp.asarray(prompt))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[0], logits[0])
+    # process_logits applies them (greedy rows: penalized, not scaled), and greedy sampling
+    # takes the argmax of the penalized logits.
+    np.testing.assert_allclose(_process(logits, rows, counts, prompt), want, rtol=1e-5, atol=1e-5)
+    tokens = _sample(logits, rows, np.zeros(b), counts, prompt).tokens
+    np.testing.assert_array_equal(tokens, want.argmax(-1))
+    assert not np.array_equal(want.argmax(-1), logits.argmax(-1))
+
+
+# --- distribution and logprobs -----------------------------------------------------------------
+
+
+def _empirical(row, params, calls=10):
+    """Token histogram of `calls * _B` draws (distinct positions) from one row."""
+    tokens = [_sample(_tile(row, _B), [dict(params, seed=7)] * _B, np.arange(_B) + i * _B).tokens
+              for i in range(calls)]
+    return np.bincount(np.concatenate(tokens), minlength=row.size), calls * _B
+
+
+def test_sample_distribution_matches_softmax():
+    rng = np.random.default_rng(6)
+    row = rng.normal(size=12).astype(np.float32)
+    counts, n = _empirical(row, {"temperature": 0.7})
+    row64 = row.astype(np.float64)
+    want = np.exp(row64 / 0.7 - np.max(row64 / 0.7))
+    assert stats.chisquare(counts, want / want.sum() * n).pvalue > 1e-3
+    untempered = np.exp(row64) / np.exp(row64).sum()
+    assert stats.chisquare(counts, untempered * n).pvalue < 1e-6
+
+
+def test_sample_draws_from_probs_from_logits():
+    # The speculative verifier relies on this: `sample` draws exactly from probs_from_logits.
+    rng = np.random.default_rng(7)
+    row = rng.normal(size=40).astype(np.float32) * 1.5
+    params = {"temperature": 0.9, "top_k": 12, "top_p": 0.8, "min_p": 0.05}
+    counts, n = _empirical(row, params)
+    probs = _probs(row[None], [params])[0].astype(np.float64)
+    np.testing.assert_allclose(probs.sum(), 1.0, rtol=1e-5)
+    keep = probs > 0
+    assert 2 < keep.sum() < 12
+    assert np.all(counts[~keep] == 0)
+    assert stats.chisquare(counts[keep], probs[keep] / probs[keep].sum() * n).pvalue > 1e-3
+
+
+def test_logprobs_are_raw_log_softmax():
+    rng = np.random.default_rng(8)
+    logits = rng.normal(size=(5, 30)).astype(np.float32) * 3
+    rows = [{"temperature": 0.5, "top_k": 3, "seed": i} for i in range(4)] + [{}]
+    out = _sample(logits, rows, np.arange(5))
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits)))
+    np.testing.assert_allclose(out.logprobs, raw[np.arange(5), out.tokens], atol=1e-5)
+    np.testing.assert_array_equal(out.top_ids, np.argsort(-logits, -1)[:, :4])
+    np.testing.assert_allclose(out.top_logprobs, np.sort(raw, -1)[:, ::-1][:, :4], atol=1e-5)
+    empty = jax.eval_shape(sampling.sample, jnp.asarray(logits), _arrays(rows), jnp.arange(5))
+    assert empty.top_ids.shape == (5, 0) and empty.top_logprobs.shape == (5, 0)
+
+
+def test_update_counts():
+    counts = jnp.zeros((3, 5), jnp.int32)
+    counts = sampling.update_counts(counts, jnp.array([1, 4, 2]), jnp.array([True, False, True]))
+    counts = sampling.update_counts(counts, jnp.array([1, 0, 0]), jnp.array([True, True, True]))
+    np.testing.assert_array_equal(counts, [[0, 2, 0, 0, 0], [1, 0, 0, 0, 0], [1, 0, 1, 0, 0]])
+
+
+# --- compilation -------------------------------------------------------------------------------
+
+
+def test_no_recompilation_when_values_change():
+    b, vocab = 4, 32
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(logits, arrays, positions, counts, prompt_mask):
+        out = sampling.sample(logits, arrays, positions, counts, prompt_mask, num_logprobs=2)
+        probs = sampling.probs_from_logits(logits, arrays, counts, prompt_mask)
+        return out, probs, sampling.update_counts(counts, out.tokens, jnp.ones(b, bool))
+
+    rng = np.random.default_rng(9)
+    counts = jnp.zeros((b, vocab), jnp.int32)
+    prompt = jnp.asarray(rng.random((b, vocab)) < 0.2)
+    configs = [
+        [{}] * b,  # all greedy, no penalties: every cond takes its cheap branch
+        [{"temperature": 0.7, "seed": 3}] * b,
+        [{"temperature": 1.0, "top_k": 5, "top_p": 0.9, "min_p": 0.1, "seed": i,
+          "repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.3}
+         for i in range(b)],
+        [{"top_k": 2}, {"temperature": 0.3}, {"top_p": 0.5, "temperature": 2.0}, {}],
+    ]
+    chex.clear_trace_counter()
+    for i, rows in enumerate(configs):
+        logits = jnp.asarray(rng.normal(size=(b, vocab)).astype(np.float32))
+        _, probs, counts = step(logits, _arrays(rows), jnp.full((b,), i), counts, prompt)
+        np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+    assert step._cache_size() == 1
+    np.testing.assert_array_equal(counts.sum(-1), len(configs))
