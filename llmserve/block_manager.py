@@ -300,3 +300,5 @@ class BlockManager:
         for seq_id, table in self._tables.items():
             assert len(table) == self.num_pages_for(self._lengths[seq_id]), f"{seq_id!r} table"
             assert len(self._hashes[seq_id]) <= self._lengths[seq_id] // self.page_size
+            for page, h in zip(table, self._hashes[seq_id]):  # a cache key names the page's KV
+                assert self._page_key.get(page, (h,))[0] == h, f"page {page} keyed as other KV"

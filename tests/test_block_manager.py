@@ -9,7 +9,6 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
 )
 
@@ -340,7 +339,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     shared without COW, a prefix hit on stale or unwritten KV, and a page handed out twice.
     """
 
-    @initialize(num_pages=st.integers(2, 14), page_size=st.sampled_from([1, 2, 4]),
+    @initialize(num_pages=st.integers(2, 16), page_size=st.sampled_from([1, 2, 4]),
                 caching=st.booleans())
     def setup(self, num_pages, page_size, caching):
         self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=caching)
@@ -355,16 +354,51 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         return self.next_id
 
-    def _write(self, seq, start, stop):
+    def _pick(self, data):
+        """A live sequence, or None. (Not a precondition: those make hypothesis discard runs.)"""
+        return data.draw(st.sampled_from(sorted(self.tokens))) if self.tokens else None
+
+    def _append(self, seq, new_tokens):
+        """bm.append plus the device's COW copies; False (state unchanged) if out of pages."""
+        n = len(new_tokens)
+        if not self.bm.can_append(seq, n):
+            before = snapshot(self.bm)
+            with pytest.raises(NoFreePages):
+                self.bm.append(seq, n)
+            assert snapshot(self.bm) == before
+            return False
+        old_table = self.bm.block_table(seq)
+        copies = self.bm.append(seq, n)
+        assert len(copies) <= 1
+        for src, dst in copies:
+            i = self.bm.block_table(seq).index(dst)
+            assert old_table[i] == src and src != dst
+            self.kv[dst] = list(self.kv[src])  # the device copy
+        self.tokens[seq] += new_tokens
+        return True
+
+    def _compute(self, seq, stop):
+        """The device writes KV up to ``stop``; then the host commits it."""
         table = self.bm.block_table(seq)
-        for pos in range(start, stop):
+        for pos in range(self.computed[seq], stop):
             page = table[pos // self.L]
             assert page != DUMMY_PAGE
             self.kv[page][pos % self.L] = self.tokens[seq][pos]
+        self.computed[seq] = max(self.computed[seq], stop)
+        self.bm.commit(seq, self.tokens[seq], stop)
+        self.prompts.add(tuple(self.tokens[seq]))
+
+    def _truncate(self, seq, n):
+        free = self.bm.num_free_pages
+        released = len(self.bm.block_table(seq)) - self.bm.num_pages_for(n)
+        self.bm.truncate(seq, n)
+        del self.tokens[seq][n:]
+        self.computed[seq] = min(self.computed[seq], n)
+        assert 0 <= self.bm.num_free_pages - free <= released
 
     @rule(data=st.data())
     def allocate(self, data):
-        # Mostly re-send (an extension of) an earlier sequence, so prefix hits are common.
+        # Often re-send (a prefix or extension of) an earlier sequence, so prefix hits are common.
         seen = sorted(self.prompts)
         base = list(data.draw(st.sampled_from(seen))) if seen and data.draw(st.booleans()) else []
         base = base[:data.draw(st.integers(0, len(base)))] if data.draw(st.booleans()) else base
@@ -379,65 +413,77 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         hits = self.bm.stats.prefix_hits
         cached = self.bm.allocate(seq, tokens)
+        self.tokens[seq], self.computed[seq] = list(tokens), cached
         assert cached % self.L == 0 and 0 <= cached <= max(len(tokens) - 1, 0)
         assert self.bm.stats.prefix_hits - hits == cached // self.L
-        self.tokens[seq], self.computed[seq] = list(tokens), cached
 
-    @precondition(lambda self: self.tokens)
     @rule(data=st.data(), n=st.integers(0, 5))
     def append(self, data, n):
-        seq = data.draw(st.sampled_from(sorted(self.tokens)))
-        if not self.bm.can_append(seq, n):
-            before = snapshot(self.bm)
-            with pytest.raises(NoFreePages):
-                self.bm.append(seq, n)
-            assert snapshot(self.bm) == before
-            return
-        old_table = self.bm.block_table(seq)
-        copies = self.bm.append(seq, n)
-        assert len(copies) <= 1
-        for src, dst in copies:
-            i = self.bm.block_table(seq).index(dst)
-            assert old_table[i] == src and src != dst
-            self.kv[dst] = list(self.kv[src])  # the device copy
-        self.tokens[seq] += data.draw(st.lists(TOKENS, min_size=n, max_size=n))
+        seq = self._pick(data)
+        if seq is not None:
+            self._append(seq, data.draw(st.lists(TOKENS, min_size=n, max_size=n)))
 
-    @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def compute_and_commit(self, data):
-        seq = data.draw(st.sampled_from(sorted(self.tokens)))
-        stop = data.draw(st.integers(self.computed[seq], len(self.tokens[seq])))
-        self._write(seq, self.computed[seq], stop)
-        self.computed[seq] = stop
-        self.bm.commit(seq, self.tokens[seq], stop)
-        self.prompts.add(tuple(self.tokens[seq]))
+        seq = self._pick(data)
+        if seq is None:
+            return
+        self._compute(seq, data.draw(st.integers(self.computed[seq], len(self.tokens[seq]))))
 
-    @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def truncate(self, data):
-        seq = data.draw(st.sampled_from(sorted(self.tokens)))
-        n = data.draw(st.integers(0, len(self.tokens[seq])))
-        free = self.bm.num_free_pages
-        released = len(self.bm.block_table(seq)) - self.bm.num_pages_for(n)
-        self.bm.truncate(seq, n)
-        del self.tokens[seq][n:]
-        self.computed[seq] = min(self.computed[seq], n)
-        assert self.bm.num_free_pages - free <= released
+        seq = self._pick(data)
+        if seq is None:
+            return
+        self._truncate(seq, data.draw(st.integers(0, len(self.tokens[seq]))))
 
-    @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def fork(self, data):
-        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        parent = self._pick(data)
+        if parent is None:
+            return
         child = self._new_id()
         self.bm.fork(parent, child)
         assert self.bm.block_table(child) == self.bm.block_table(parent)
         self.tokens[child] = list(self.tokens[parent])
         self.computed[child] = self.computed[parent]
 
-    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def sample_n(self, data):
+        """n > 1 sampling: fork a computed sequence; each branch decodes a different token."""
+        parent = self._pick(data)
+        if parent is None:
+            return
+        self._compute(parent, len(self.tokens[parent]))
+        child = self._new_id()
+        self.bm.fork(parent, child)
+        self.tokens[child], self.computed[child] = list(self.tokens[parent]), self.computed[parent]
+        for seq, token in ((child, 1), (parent, 0)):
+            if self._append(seq, [token]):
+                self._compute(seq, len(self.tokens[seq]))
+
+    @rule(data=st.data(), k=st.integers(1, 4))
+    def speculate(self, data, k):
+        """Verify k drafts (KV written for all k+1), roll back the rejected, decode the fix."""
+        seq = self._pick(data)
+        if seq is None:
+            return
+        start = len(self.tokens[seq])
+        self._compute(seq, start)
+        drafts = data.draw(st.lists(TOKENS, min_size=k + 1, max_size=k + 1))
+        if not self._append(seq, drafts):
+            return
+        self._compute(seq, start + k + 1)
+        accepted = data.draw(st.integers(0, k))
+        self._truncate(seq, start + accepted)
+        if self._append(seq, [1 - drafts[accepted]]):  # differs from the rejected draft's KV
+            self._compute(seq, start + accepted + 1)
+
     @rule(data=st.data())
     def free(self, data):
-        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        seq = self._pick(data)
+        if seq is None:
+            return
         self.bm.free(seq)
         del self.tokens[seq], self.computed[seq]
 
