@@ -41,6 +41,7 @@ class EngineConfig:
     backend: Optional[str] = None  # "xla" | "pallas" | "pallas_interpret" | "reference"
     max_logprobs: int = 5
     seed: int = 0
+    speculative_config: Optional[dict] = None  # {"method": "ngram"|"draft", "model": ..., K}
 
     def resolve_num_pages(self, cfg: ModelConfig) -> int:
         if self.num_pages is not None and self.kv_cache_memory is not None:
@@ -52,6 +53,16 @@ class EngineConfig:
             per_page = 2 * cfg.n_layers * cfg.n_kv_heads * self.page_size * cfg.head_dim * itemsize
             return int(self.kv_cache_memory // per_page)
         return self.max_num_seqs * -(-self.max_model_len // self.page_size) + 1
+
+
+class _VerifyRow:
+    """Adapts row i, position j of a verify result to the fields ``_append_token`` reads."""
+
+    def __init__(self, res, i: int, j: int):
+        self.tokens = [int(res.out_tokens[i][j])]
+        self.logprobs = [float(res.logprobs[i][j])]
+        self.top_ids = [[]]
+        self.top_logprobs = [[]]
 
 
 @dataclasses.dataclass
@@ -105,11 +116,55 @@ class Engine:
         elif cfg.eos_token_id is not None:
             self._eos = {cfg.eos_token_id}
         self._counter = 0
+        self.spec = None
+        if config.speculative_config is not None:
+            self._init_speculation(config.speculative_config, num_pages, backend)
+
+    def _init_speculation(self, spec_cfg, num_pages: int, backend: str) -> None:
+        from llmserve import speculative as sp
+
+        self.spec = spec = sp.SpeculativeConfig.from_dict(spec_cfg)
+        k = spec.num_speculative_tokens
+        self.policy = sp.SpeculationPolicy(k, adaptive=spec.adaptive)
+        if spec.method == "ngram":
+            self.proposer = sp.NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min, k)
+            return
+        if isinstance(spec.model, (tuple, list)):
+            dcfg, dparams = spec.model
+        else:
+            from llmserve.checkpoint import load_checkpoint
+
+            dcfg, dparams = load_checkpoint(spec.model, dtype=self.cfg.dtype)
+        self.proposer = sp.DraftModelProposer(dcfg, dparams, num_pages=num_pages,
+                                              page_size=self.config.page_size, k=k,
+                                              backend=backend, target_vocab=self.cfg.vocab_size)
+        self.spec_stats = None
 
     # ------------------------------------------------------------------ requests
     def warmup(self) -> None:
-        """Compiles every step shape once; no compilation happens while serving afterwards."""
+        """Compiles every step shape once; no compilation happens while serving afterwards.
+
+        With speculation on, it also compiles the verify (and draft) shapes and times decode
+        against verify per bucket, seeding the never-slower policy.
+        """
         self.runner.warmup()
+        if self.spec is None:
+            return
+        k = self.spec.num_speculative_tokens
+        for b in self.runner.decode_buckets:
+            for _ in range(2):  # the second run is timed, without compilation
+                t0 = time.perf_counter()
+                jax.block_until_ready(self.runner.run(self.runner.empty_input(b, 1)).tokens)
+                self.policy.time("decode", b, time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                host = self.runner.empty_input(b, k + 1)
+                out = self._verify_rows(host, [], b)
+                jax.block_until_ready(out.out_tokens)
+                self.policy.time("verify", b, time.perf_counter() - t0)
+        if hasattr(self.proposer, "prefill"):
+            for b, c in self.runner.prefill_buckets:
+                host = self.runner.empty_input(b, c)
+                self.proposer.prefill(*self._draft_prefill_args(host))
 
     def _tokenize(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
@@ -192,19 +247,35 @@ class Engine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling iteration; returns the requests that progressed."""
-        plan = self.scheduler.schedule()
+        lookahead = self._lookahead()
+        plan = self.scheduler.schedule(lookahead, self.config.max_model_len)
         self.stats["preemptions"] += len(plan.preempted)
         if plan.empty:
             return []
         self.runner.copy_pages(plan.copies)
+        if self.spec is not None and plan.copies and hasattr(self.proposer, "copy_pages"):
+            src, dst = zip(*plan.copies)
+            self.proposer.copy_pages(jax.numpy.asarray(src), jax.numpy.asarray(dst))
         outs = []
-        if plan.decode:
+        t0 = time.perf_counter()
+        if plan.decode and lookahead:
+            outs.append(("verify", plan.decode, self._run_verify(plan)))
+        elif plan.decode:
             outs.append(("decode", plan.decode, self._run_decode(plan)))
         if plan.prefill:
             outs.append(("prefill", plan.prefill, self._run_prefill(plan)))
         fetched = jax.device_get([o[2] for o in outs])  # one transfer for the whole step
+        if self.spec is not None and plan.decode and not plan.prefill:
+            self.policy.time("verify" if lookahead else "decode",
+                             self.runner.decode_bucket(len(plan.decode)),
+                             time.perf_counter() - t0)
         touched: dict[str, _Request] = {}
         for (kind, rows, _), res in zip(outs, fetched):
+            if kind == "verify":
+                for i, seq in enumerate(rows):
+                    self._accept_verified(seq, res, i)
+                    touched[seq.request_id] = self.requests.get(seq.request_id)
+                continue
             for i, row in enumerate(rows):
                 if kind == "decode":
                     seq = row
@@ -251,6 +322,97 @@ class Engine:
         self.stats["decode_slots"] += b
         return self.runner.run(host)
 
+    def _lookahead(self) -> int:
+        """K when this step should verify drafts (see SpeculationPolicy), else 0."""
+        if self.spec is None:
+            return 0
+        rows = [s for s in self.scheduler.running if not s.in_prefill]
+        if not rows:
+            return 0
+        if not any(self.policy.proposes(s.seq_id) for s in rows):
+            return 0
+        bucket = self.runner.decode_bucket(len(rows))
+        return self.spec.num_speculative_tokens if self.policy.speculate(
+            [s.seq_id for s in rows], bucket) else 0
+
+    def _run_verify(self, plan: Plan):
+        k = self.spec.num_speculative_tokens
+        b = self.runner.decode_bucket(len(plan.decode))
+        host = self.runner.empty_input(b, k + 1)
+        for i, seq in enumerate(plan.decode):
+            self._fill_row(host, i, seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
+        self.stats["decode_rows"] += len(plan.decode)
+        self.stats["decode_slots"] += b
+        return self._verify_rows(host, plan.decode, b)
+
+    def _verify_rows(self, host: dict, seqs: list, b: int):
+        """Proposes drafts for the rows of ``host`` (tokens [b, K+1]) and runs verify."""
+        from llmserve.speculative import ProposeInput
+
+        k = self.spec.num_speculative_tokens
+        room = np.zeros(b, np.int32)  # drafts each row may carry (max_model_len, policy)
+        for i, seq in enumerate(seqs):
+            if self.policy.proposes(seq.seq_id):
+                room[i] = max(0, min(k, self.config.max_model_len - seq.num_tokens))
+        if self.spec.method == "ngram":
+            drafts, num = self.proposer.propose_batch([s.all_ids for s in seqs] or [[0]], k)
+            drafts = np.pad(drafts, ((0, b - len(drafts)), (0, 0)))[:b]
+            num = np.minimum(np.pad(num, (0, b - len(num)))[:b], room)
+            probs = None
+        else:
+            tail = np.zeros((b, 2), np.int32)
+            q_start = np.zeros(b, np.int32)
+            n_valid = np.zeros(b, np.int32)
+            for i, seq in enumerate(seqs):
+                ids = seq.all_ids
+                n = min(2, len(ids))
+                tail[i, :n] = ids[len(ids) - n:]
+                q_start[i] = len(ids) - n
+                n_valid[i] = n
+            sampling_arrays = self.runner._device_input(host).sampling
+            proposal = self.proposer.propose(ProposeInput(
+                token_ids=[], tail=jax.numpy.asarray(tail), q_start=jax.numpy.asarray(q_start),
+                n_valid=jax.numpy.asarray(n_valid),
+                block_tables=jax.numpy.asarray(host["block_tables"]), sampling=sampling_arrays))
+            drafts, probs = proposal.tokens, proposal.probs
+            num = room
+        self._num_draft = num  # host copy: how many drafts each row carried this step
+        host["tokens"][:, 1:] = np.asarray(drafts) if self.spec.method == "ngram" else 0
+        host["n_valid"][: len(seqs)] = 1 + num[: len(seqs)]
+        if self.spec.method == "draft":
+            tokens = jax.numpy.asarray(host["tokens"]).at[:, 1:].set(drafts)
+            host = dict(host, tokens=tokens)
+        return self.runner.run_verify(host, drafts, num, probs)
+
+    def _accept_verified(self, seq: Seq, res, i: int) -> None:
+        """Appends the accepted drafts and the target's token; rolls back the rest."""
+        n = int(res.num_accepted[i])
+        proposed = int(np.count_nonzero(res.out_tokens[i] >= 0)) - 1
+        req = self.requests.get(seq.request_id)
+        drafted = self._last_num_draft(seq, res, i)
+        self.policy.record(seq.seq_id, drafted, n)
+        if req is not None:
+            req.metrics.spec_proposed += drafted
+            req.metrics.spec_accepted += n
+        self.stats["spec_proposed"] = self.stats.get("spec_proposed", 0) + drafted
+        self.stats["spec_accepted"] = self.stats.get("spec_accepted", 0) + n
+        seq.num_computed += n + 1
+        for j in range(proposed + 1):
+            if seq.finished:
+                break
+            self._append_token(seq, _VerifyRow(res, i, j), 0)
+        if not seq.finished:
+            self.blocks.truncate(seq.seq_id, seq.num_computed)
+            self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_computed)
+
+    def _last_num_draft(self, seq: Seq, res, i: int) -> int:
+        return int(self._num_draft[i])
+
+    def _draft_prefill_args(self, host: dict):
+        jnp_ = jax.numpy
+        return (jnp_.asarray(host["tokens"]), jnp_.asarray(host["q_start"]),
+                jnp_.asarray(host["n_valid"]), jnp_.asarray(host["block_tables"]))
+
     def _run_prefill(self, plan: Plan):
         longest = max(c.length for c in plan.prefill)
         b, t = self.runner.prefill_bucket(len(plan.prefill), longest)
@@ -264,6 +426,8 @@ class Engine:
                 req.metrics.first_scheduled_time = now
         self.stats["prefill_tokens"] += sum(c.length for c in plan.prefill)
         self.stats["prefill_slots"] += b * t
+        if self.spec is not None and hasattr(self.proposer, "prefill"):
+            self.proposer.prefill(*self._draft_prefill_args(host))  # mirror into the draft
         return self.runner.run(host)
 
     def _stop_ids(self, seq: Seq) -> set:

@@ -81,8 +81,8 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("LLM.chat needs a tokenizer with a chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
-                   for c in convs]
+        prompts = [self.tokenizer.apply_chat_template(
+            c, add_generation_prompt=add_generation_prompt) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add_all(self, prompts, params_list) -> list[str]:

@@ -94,6 +94,42 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput, *,
     return result, cache, sstate
 
 
+def _verify_step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
+                 draft_tokens: Array, num_draft: Array, draft_probs, *, cfg: ModelConfig,
+                 backend: str):
+    """Speculative verify: tokens [B, K+1] = [last committed, draft_0..draft_{K-1}].
+
+    One forward over all K+1 positions writes their K/V and scores them; the pure verifier then
+    keeps the longest accepted prefix plus one target token. K/V written for rejected drafts is
+    never read: attention stops at each sequence's length, and the next step overwrites it.
+    """
+    from llmserve import speculative
+
+    b, t = inp.tokens.shape
+    ar = jnp.arange(t, dtype=jnp.int32)
+    positions = inp.q_start[:, None] + ar[None, :]
+    token_mask = ar[None, :] < inp.n_valid[:, None]
+    meta = AttentionMetadata(positions=positions, q_start=inp.q_start,
+                             lengths=inp.q_start + inp.n_valid, token_mask=token_mask,
+                             block_tables=inp.block_tables)
+    logits, cache = Transformer(cfg).apply({"params": params}, inp.tokens, meta, cache,
+                                           backend=backend)  # [B, K+1, V]
+    rows = jnp.arange(b)[:, None]
+    counts = sstate.counts[inp.slot_ids]
+    pmask = sstate.prompt_mask[inp.slot_ids]
+    logits = logits.at[rows[:, :, None], jnp.arange(t)[None, :, None],
+                       inp.suppress_ids[:, None, :]].set(-jnp.inf, mode="drop")
+    out = speculative.verify(draft_tokens, draft_probs, logits, inp.sampling, inp.q_start + 1,
+                             counts, pmask, num_draft=num_draft)
+    emitted = (out.out_tokens >= 0) & inp.emit[:, None]
+    counts = counts.at[rows, jnp.maximum(out.out_tokens, 0)].add(emitted.astype(jnp.int32))
+    sstate = sstate.replace(counts=sstate.counts.at[inp.slot_ids].set(counts))
+    return out, cache, sstate
+
+
+_jit_verify = jax.jit(_verify_step, static_argnames=("cfg", "backend"),
+                      donate_argnames=("cache", "sstate"))
+
 # Module-level jits with static config: every Runner of the same model and shapes shares one
 # compile cache (tests build many engines; a server builds one).
 _jit_step = jax.jit(_step, static_argnames=("cfg", "backend", "num_logprobs"),
@@ -163,16 +199,27 @@ class Runner:
     # ------------------------------------------------------------------ execution
     def run(self, host: dict) -> StepOutput:
         """Runs one step from host arrays (see ``empty_input``); returns device outputs."""
-        inp = StepInput(
+        inp = self._device_input(host)
+        out, self.cache, self.sstate = _jit_step(self.params, self.cache, self.sstate, inp,
+                                                 cfg=self.cfg, backend=self.backend,
+                                                 num_logprobs=self.num_logprobs)
+        return out
+
+    def _device_input(self, host: dict) -> StepInput:
+        return StepInput(
             tokens=jnp.asarray(host["tokens"]), q_start=jnp.asarray(host["q_start"]),
             n_valid=jnp.asarray(host["n_valid"]), prompt_len=jnp.asarray(host["prompt_len"]),
             block_tables=jnp.asarray(host["block_tables"]),
             slot_ids=jnp.asarray(host["slot_ids"]), reset=jnp.asarray(host["reset"]),
             emit=jnp.asarray(host["emit"]), suppress_ids=jnp.asarray(host["suppress_ids"]),
             sampling=sampling.SamplingArrays.from_lists(host["sampling"]))
-        out, self.cache, self.sstate = _jit_step(self.params, self.cache, self.sstate, inp,
-                                                 cfg=self.cfg, backend=self.backend,
-                                                 num_logprobs=self.num_logprobs)
+
+    def run_verify(self, host: dict, draft_tokens, num_draft, draft_probs=None):
+        """Runs one verify step; host arrays as for ``run`` with T = K + 1."""
+        inp = self._device_input(host)
+        out, self.cache, self.sstate = _jit_verify(
+            self.params, self.cache, self.sstate, inp, jnp.asarray(draft_tokens),
+            jnp.asarray(num_draft), draft_probs, cfg=self.cfg, backend=self.backend)
         return out
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -196,4 +243,5 @@ class Runner:
 
     def num_compilations(self) -> int:
         """Executables the jitted steps hold, process-wide (grows only for a new shape)."""
-        return _jit_step._cache_size() + _copy_pages._cache_size()
+        return (_jit_step._cache_size() + _copy_pages._cache_size()
+                + _jit_verify._cache_size())

@@ -144,11 +144,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ planning
-    def schedule(self) -> Plan:
-        """Builds the next step's plan."""
+    def schedule(self, lookahead: int = 0, max_len: int | None = None) -> Plan:
+        """Builds the next step's plan; decode rows reserve 1 + lookahead token slots
+        (speculative verify), capped so no sequence reserves past ``max_len``."""
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
-        decode = self._reserve_decode(copies, preempted)
+        decode = self._reserve_decode(copies, preempted, lookahead, max_len)
         budget = self.budget - len(decode)
         prefill: list[PrefillChunk] = []
         for seq in self.running:
@@ -161,14 +162,15 @@ class Scheduler:
         self._admit(prefill, budget, copies)
         return Plan(decode=decode, prefill=prefill, copies=copies, preempted=preempted)
 
-    def _reserve_decode(self, copies, preempted) -> list[Sequence]:
+    def _reserve_decode(self, copies, preempted, lookahead, max_len) -> list[Sequence]:
         decode: list[Sequence] = []
         for seq in list(self.running):
             if seq.status != Status.RUNNING or seq.in_prefill:
                 continue
+            extra = lookahead if max_len is None else min(lookahead, max_len - seq.num_tokens)
             while True:
                 try:
-                    copies.extend(self.blocks.append(seq.seq_id, 1))
+                    copies.extend(self.blocks.append(seq.seq_id, 1 + max(extra, 0)))
                     decode.append(seq)
                     break
                 except NoFreePages:

@@ -1,0 +1,109 @@
+"""Speculative decoding inside the engine: greedy output identical to plain decoding."""
+
+import numpy as np
+import pytest
+
+from llmserve.config import preset
+from llmserve.engine import Engine, EngineConfig
+from llmserve.model import init_params
+from llmserve.sampling_params import SamplingParams
+
+from .test_engine import make_engine, run_all
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = preset("tiny-9-3")
+    return cfg, init_params(cfg, seed=5)
+
+
+def repetitive_workload(cfg, n, seed=0):
+    """Prompts with repeated n-grams so prompt lookup finds matches."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(n):
+        motif = rng.integers(1, cfg.vocab_size, rng.integers(2, 6)).tolist()
+        prompts.append((motif * 8)[: rng.integers(6, 30)])
+    lens = rng.integers(1, 24, n).tolist()
+    return prompts, lens
+
+
+@pytest.mark.parametrize("method,k", [("ngram", 1), ("ngram", 3), ("draft", 2), ("draft", 6)])
+def test_greedy_identical_with_speculation(tiny, method, k):
+    cfg, params = tiny
+    prompts, lens = repetitive_workload(cfg, 16, seed=k)
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    want = run_all(make_engine(cfg, params), prompts, sps)
+    spec = {"method": method, "num_speculative_tokens": k, "adaptive": False}
+    if method == "draft":
+        spec["model"] = (cfg, params)  # draft == target: every draft is accepted
+    eng = make_engine(cfg, params, speculative_config=spec)
+    compiles = eng.runner.num_compilations()
+    got = run_all(eng, prompts, sps)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert eng.runner.num_compilations() == compiles  # no recompilation with speculation
+    assert eng.stats["spec_proposed"] > 0
+    if method == "draft":
+        assert eng.stats["spec_accepted"] == eng.stats["spec_proposed"]
+    assert eng.blocks.all_free()
+
+
+def test_rejected_drafts_leak_no_pages_and_stop_inside_run(tiny):
+    cfg, params = tiny
+    other = init_params(cfg, seed=99)  # an unrelated draft: nearly everything is rejected
+    eng = make_engine(cfg, params, num_pages=40, speculative_config={
+        "method": "draft", "model": (cfg, other), "num_speculative_tokens": 4,
+        "adaptive": False})
+    prompts = [list(range(1, 4 * k + 1)) for k in range(1, 6)]  # prompts end on page boundaries
+    sps = [SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)] * len(prompts)
+    got = run_all(eng, prompts, sps)
+    assert eng.stats["spec_accepted"] < eng.stats["spec_proposed"]
+    assert eng.blocks.all_free()
+    plain = run_all(make_engine(cfg, params), prompts, sps)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    # A stop token inside an accepted run ends the request exactly there.
+    full = plain[2].outputs[0].token_ids
+    stop = full[5]
+    first = full.index(stop)
+    eng2 = make_engine(cfg, params, speculative_config={
+        "method": "draft", "model": (cfg, params), "num_speculative_tokens": 4,
+        "adaptive": False})
+    out = run_all(eng2, [prompts[2]], [SamplingParams(temperature=0, max_tokens=17,
+                                                      stop_token_ids=[stop])])[0]
+    assert out.outputs[0].token_ids == full[: first + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    assert eng2.blocks.all_free()
+
+
+def test_sampled_speculation_runs_and_metrics(tiny):
+    cfg, params = tiny
+    eng = make_engine(cfg, params, speculative_config={
+        "method": "draft", "model": (cfg, params), "num_speculative_tokens": 3,
+        "adaptive": False})
+    out = run_all(eng, [[1, 2, 3, 1, 2, 3]], [SamplingParams(temperature=0.8, seed=1,
+                                                             max_tokens=12, ignore_eos=True)])[0]
+    assert len(out.outputs[0].token_ids) == 12
+    assert out.metrics.spec_proposed > 0 and out.metrics.spec_accepted > 0
+
+
+def test_bad_speculative_config(tiny):
+    cfg, params = tiny
+    with pytest.raises(ValueError, match="method"):
+        Engine(cfg, params, None, EngineConfig(max_model_len=64, max_num_seqs=2, page_size=4,
+                                               speculative_config={"method": "magic"}))
+
+
+def test_never_slower_policy():
+    from llmserve.speculative import SpeculationPolicy
+
+    pol = SpeculationPolicy(4, prior=0.6)
+    pol.time("decode", 8, 0.010)
+    pol.time("verify", 8, 0.015)  # 1.5x a decode step: 2.3 expected tokens wins
+    assert pol.speculate([1, 2], 8)
+    pol.time("verify", 8, 1.0)  # verify became very slow: EMA moves above the break-even
+    pol.time("verify", 8, 1.0)
+    assert not pol.speculate([1, 2], 8)
+    for _ in range(6):  # request 1 rejects everything: it stops proposing
+        pol.record(1, 4, 0)
+    assert not pol.proposes(1) and pol.expected_tokens(1) == 1.0
+    assert pol.proposes(2)
