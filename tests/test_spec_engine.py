@@ -103,7 +103,7 @@ def test_never_slower_policy():
     pol.time("verify", 8, 1.0)  # verify became very slow: EMA moves above the break-even
     pol.time("verify", 8, 1.0)
     assert not pol.speculate([1, 2], 8)
-    for _ in range(6):  # request 1 rejects everything: it stops proposing
+    for _ in range(10):  # request 1 rejects everything: it stops proposing
         pol.record(1, 4, 0)
     assert not pol.proposes(1) and pol.expected_tokens(1) == 1.0
     assert pol.proposes(2)
