@@ -23,8 +23,12 @@ Systems: llmserve continuous and static batching (max_num_seqs slots), HF transf
 in left-padded batches of ``hf_batch_size``. Writes results/throughput/throughput_<arg>.json and
 a bar chart; prints a markdown table.
 
-With N <= max_num_seqs every request is admitted at once, so continuous and static batching run
-the same schedule; they differ once requests queue (the 256 config).
+llmserve's static policy admits a new batch only when no sequence is running, and a batch is
+what one scheduling step admits (at most max_prefill_rows=4 prompts), so static runs small batches.
+
+Measured (32 prompts, 2 shared CPU cores, load average ~5-6, 2026-11-30): llmserve continuous
+22.8 tok/s (0.81x HF batch-32), static 11.3, HF 1-by-1 9.2 (8 prompts, extrapolated),
+HF batch-32 28.1; KV waste 3.9% (llmserve) vs 66.5% (HF padded batch).
 """
 
 import ml_collections

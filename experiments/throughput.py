@@ -215,6 +215,7 @@ def run_llmserve(cfg, workload: list[Request], scheduling: str) -> dict:
               "slot_utilization": stats["decode_rows"] / max(stats["decode_slots"], 1),
               "prefill_utilization": stats["prefill_tokens"] / max(stats["prefill_slots"], 1),
               "recompiles": engine.runner.num_compilations() - compiled,
+              "max_prefill_rows": engine.runner.max_prefill_rows,
               "backend": engine.runner.backend, **probe.summary(lcfg.max_num_seqs)}
     del llm, engine
     gc.collect()
@@ -292,7 +293,7 @@ def run_hf_single(cfg, model, workload: list[Request]) -> dict:
     generated = sum(len(t) for t in tokens)
     total = sum(r.max_tokens for r in workload)
     extrapolated = k < len(workload)
-    return {"wall_s": wall * total / generated if extrapolated else wall,
+    return {"wall_s": wall * total / generated if extrapolated else wall, "mean_running": 1.0,
             "measured_wall_s": wall, "generated_tokens": generated, "measured_requests": k,
             "extrapolated": extrapolated, "tokens_per_s": generated / wall,
             "_tokens": tokens}
@@ -305,7 +306,7 @@ def run_hf_batch(cfg, model, workload: list[Request]) -> dict:
     requests use their own prompt + t."""
     hf_warmup(model, cfg)
     b = cfg.hf_batch_size
-    tokens, wall, reserved, used = [], 0.0, 0, 0
+    tokens, wall, reserved, used, rows, steps, slots = [], 0.0, 0, 0, 0, 0, 0
     for start in range(0, len(workload), b):
         batch = workload[start: start + b]
         toks, dt = hf_generate(model, batch)
@@ -315,8 +316,12 @@ def run_hf_batch(cfg, model, workload: list[Request]) -> dict:
         for t in range(max(r.max_tokens for r in batch)):
             reserved += len(batch) * (longest + t)
             used += sum(len(r.prompt_ids) + t for r in batch if t < r.max_tokens)
+            rows += sum(t < r.max_tokens for r in batch)
+            steps += 1
+            slots += len(batch)  # finished rows keep computing until the batch ends
     return {"wall_s": wall, "generated_tokens": sum(len(t) for t in tokens), "batch_size": b,
-            "kv_waste": 1 - used / reserved, "_tokens": tokens}
+            "kv_waste": 1 - used / reserved, "mean_running": rows / steps,
+            "slot_utilization": rows / slots, "_tokens": tokens}
 
 
 # ---------------------------------------------------------------------------------- report
@@ -361,10 +366,11 @@ def report(cfg, results: dict, ref: Optional[str]) -> str:
         a = r.get("agreement")
         rows.append([label, r["generated_tokens"], _fmt(r["wall_s"], ".1f"),
                      _fmt(r["tokens_per_s"], ".1f"), _fmt(r["vs_hf_batch"], ".2f"),
+                     _fmt(r.get("mean_running"), ".1f"),
                      _fmt(r.get("slot_utilization"), ".1%"), _fmt(r.get("kv_waste"), ".1%"),
                      f"{a['exact']}/{a['compared']} ({a['mean_prefix_fraction']:.0%})" if a
                      else "reference"])
-    headers = ["system", "gen tokens", "wall s", "tok/s", "x HF batch", "slot util",
+    headers = ["system", "gen tokens", "wall s", "tok/s", "x HF batch", "mean batch", "slot util",
                "KV waste", f"greedy = {ref}"]
     return common.markdown_table(headers, rows)
 
@@ -375,7 +381,8 @@ def notes(cfg, results: dict) -> list[str]:
            f"{cfg.warmup_tokens}-token warm-up generate per system; torch threads = "
            f"{cfg.torch_threads}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; fp32 on "
            f"{os.cpu_count()} CPU cores",
-           "slot util = decode_rows / decode_slots (rows padded up to a decode bucket); "
+           "mean batch = unfinished requests per step; slot util = useful rows / computed rows "
+           "(llmserve: decode_rows / decode_slots, padded up to a decode bucket); "
            "KV waste = sum over steps of (reserved - used) / reserved KV token slots"]
     loads = {n: r["loadavg_1m"] for n, r in results.items() if "loadavg_1m" in r}
     if loads:
@@ -385,8 +392,11 @@ def notes(cfg, results: dict) -> list[str]:
     if single and single.get("extrapolated"):
         out.append(f"HF 1-by-1 ran the first {single['measured_requests']} requests; its wall "
                    "time is extrapolated to the whole workload at the measured tokens/s")
-    if cfg.workload.num_prompts <= cfg.llmserve.max_num_seqs:
-        out.append("N <= max_num_seqs: continuous and static batching admit everything at once")
+    static = results.get("llmserve_static")
+    if static:
+        out.append("llmserve static admits a new batch only once no sequence runs, and a batch is "
+                   f"what one step admits (<= {static['max_prefill_rows']} prompts, "
+                   f"<= {cfg.llmserve.max_num_batched_tokens} tokens)")
     if cfg.profile:
         out.append("profile mode: every device call is synchronized, so wall times run high")
     return out
