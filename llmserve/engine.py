@@ -320,6 +320,7 @@ class Engine:
             self._fill_row(host, i, seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
         self.stats["decode_rows"] += len(plan.decode)
         self.stats["decode_slots"] += b
+        self.stats["max_decode_rows"] = max(self.stats.get("max_decode_rows", 0), len(plan.decode))
         return self.runner.run(host)
 
     def _lookahead(self) -> int:

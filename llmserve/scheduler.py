@@ -110,6 +110,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.free_slots = list(range(max_slots - 1, -1, -1))
+        self.batch_open = True  # static policy: still admitting and prefilling the batch
 
     # ------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
@@ -149,6 +150,10 @@ class Scheduler:
         (speculative verify), capped so no sequence reserves past ``max_len``."""
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
+        if self.policy == "static":
+            plan = self._schedule_static_fill(copies)
+            if plan is not None:
+                return plan
         decode = self._reserve_decode(copies, preempted, lookahead, max_len)
         budget = self.budget - len(decode)
         prefill: list[PrefillChunk] = []
@@ -161,6 +166,31 @@ class Scheduler:
                 budget -= chunk.length
         self._admit(prefill, budget, copies)
         return Plan(decode=decode, prefill=prefill, copies=copies, preempted=preempted)
+
+    def _schedule_static_fill(self, copies) -> Plan | None:
+        """Static batching: while a batch is forming, only admit and prefill (no decode).
+
+        A batch forms when every slot is free; it closes (decoding starts, nothing more is
+        admitted) once a step finds nothing left to admit or prefill.
+        """
+        if not self.running:
+            self.batch_open = True
+        if not self.batch_open:
+            return None
+        prefill: list[PrefillChunk] = []
+        budget = self.budget
+        for seq in self.running:
+            if len(prefill) >= self.max_prefill_rows or budget <= 0:
+                break
+            if seq.in_prefill:
+                chunk = self._chunk(seq, budget)
+                prefill.append(chunk)
+                budget -= chunk.length
+        self._admit(prefill, budget, copies)
+        if prefill:
+            return Plan(decode=[], prefill=prefill, copies=copies, preempted=[])
+        self.batch_open = False
+        return None
 
     def _reserve_decode(self, copies, preempted, lookahead, max_len) -> list[Sequence]:
         decode: list[Sequence] = []
@@ -188,7 +218,7 @@ class Scheduler:
         return PrefillChunk(seq, seq.num_computed, length)
 
     def _admit(self, prefill: list[PrefillChunk], budget: int, copies: list) -> None:
-        if self.policy == "static" and self.running:
+        if self.policy == "static" and not self.batch_open:
             return
         while (self.waiting and self.free_slots and budget > 0
                and len(prefill) < self.max_prefill_rows):

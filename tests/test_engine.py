@@ -75,8 +75,10 @@ def test_preemption_completes_everything_identically(tiny):
 def test_static_policy_same_outputs(tiny):
     cfg, params = tiny
     prompts, lens = random_workload(cfg, 10, seed=2)
-    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
-    a = run_all(make_engine(cfg, params, scheduling="static"), prompts, sps)
+    sps = [SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True) for n in lens]
+    static = make_engine(cfg, params, scheduling="static")
+    a = run_all(static, prompts, sps)
+    assert static.stats["max_decode_rows"] == 8  # the first batch fills all 8 slots
     b = run_all(make_engine(cfg, params), prompts, sps)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
