@@ -354,7 +354,8 @@ def report(results: list[dict]) -> str:
             _positions(r["per_position"]) if spec else None,
             _f(r.get("tokens_per_verify_row"), ".2f"),
             _f(r.get("verify_step_fraction"), ".0%"),
-            _f((r.get("policy_times") or {}).get("warmup", {}).get("ratio"), ".2f"),
+            _f((r.get("policy_times") or {}).get("warmup", {}).get("ratio"), ".2f")
+            if r["adaptive"] else None,
             str(r.get("identical", "-"))])
     headers = ["batch", "method", "K", "adaptive", "decode tok/s", "speedup", "accept",
                "accept chat", "accept code", "accept @ pos 1..K", "tok / verify row",
@@ -382,8 +383,9 @@ def notes(cfg, models: dict, results: list[dict], prompts: dict) -> list[str]:
            "speedup = decode tok/s / the mean of the batch's no-speculation rows (run before "
            "and after its speculative rows); greedy == base compares every request's tokens "
            "with the first no-speculation row's",
-           "t_verify / t_decode = the policy's warm-up measurement of one verify step (with the "
-           "draft's proposal) over one plain decode step at this batch; the adaptive policy "
+           "t_verify / t_decode (adaptive rows) = the policy's warm-up measurement of one "
+           "verify step (with the draft's proposal) over one plain decode step at this batch; "
+           "the adaptive policy "
            "speculates only while (1 + a + ... + a^K) / t_verify > 1 / t_decode (a = EMA "
            "acceptance, prior 0.6); a and t_verify learn only from verify steps, so once off it "
            "turns on again only if the measured decode step time grows. Adaptive rows re-run "
@@ -415,14 +417,19 @@ def plot(path: str, results: list[dict], title: str) -> str:
     for r in results:
         if r["method"] != "none" and "speedup" in r:
             groups.setdefault((r["method"], r["k"], r["adaptive"]), []).append(r)
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    keys = sorted({(r["method"], r["k"]) for r in results if r["method"] != "none"})
+    color = {key: cycle[i % len(cycle)] for i, key in enumerate(keys)}  # one per (method, K)
     for (method, k, adaptive), rs in sorted(groups.items()):
         rs = sorted(rs, key=lambda r: r["batch"])
-        ax1.plot([r["batch"] for r in rs], [r["speedup"] for r in rs],
+        ax1.plot([r["batch"] for r in rs], [r["speedup"] for r in rs], color=color[method, k],
                  marker="o" if method == "ngram" else "s",
                  linestyle="-" if adaptive else "--",
                  label=f"{method} K={k} adaptive={'on' if adaptive else 'off'}")
     ax1.axhline(1.0, color="gray", linewidth=0.8)
     ax1.set_xscale("log", base=2)
+    batches = sorted({r["batch"] for r in results})
+    ax1.set_xticks(batches, [str(b) for b in batches])
     ax1.set_xlabel("batch (concurrent requests)")
     ax1.set_ylabel("decode tokens/s vs no speculation")
     ax1.legend(fontsize=7)
@@ -440,7 +447,9 @@ def plot(path: str, results: list[dict], title: str) -> str:
                 accepted = [a + b for a, b in zip(accepted, pk["accepted_at"])]
         ax2.plot(range(1, k + 1), [a / c if c else float("nan")
                                    for a, c in zip(accepted, carried)],
-                 marker="o" if method == "ngram" else "s", label=f"{method} K={k}")
+                 marker="o" if method == "ngram" else "s", color=color[method, k],
+                 label=f"{method} K={k}")
+    ax2.set_xticks(range(1, max([k for _, k in pooled] or [1]) + 1))
     ax2.set_xlabel("draft position j")
     ax2.set_ylabel("P(draft j accepted | carried)")
     ax2.set_ylim(0, 1)

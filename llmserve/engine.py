@@ -253,6 +253,10 @@ class Engine:
         if plan.empty:
             return []
         self.runner.copy_pages(plan.copies)
+        self.runner.copy_sampler_rows([
+            (c.seq.fork_from.slot, c.seq.slot) for c in plan.prefill
+            if c.seq.fork_from is not None and not c.seq.output_ids and c.start > 0
+            and c.seq.fork_from.slot is not None])
         if self.spec is not None and plan.copies and hasattr(self.proposer, "copy_pages"):
             src, dst = zip(*plan.copies)
             self.proposer.copy_pages(jax.numpy.asarray(src), jax.numpy.asarray(dst))
@@ -302,7 +306,7 @@ class Engine:
         table = self.blocks.block_table(seq.seq_id)
         host["block_tables"][i, : len(table)] = table
         host["slot_ids"][i] = seq.slot
-        host["reset"][i] = start == 0 or (seq.fork_from is not None and not seq.output_ids)
+        host["reset"][i] = start == 0
         host["emit"][i] = emit
         p = seq.params
         host["sampling"][i] = dict(

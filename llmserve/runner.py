@@ -130,6 +130,13 @@ def _verify_step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInp
 _jit_verify = jax.jit(_verify_step, static_argnames=("cfg", "backend"),
                       donate_argnames=("cache", "sstate"))
 
+@functools.partial(jax.jit, donate_argnames=("sstate",))
+def _copy_sampler_rows(sstate: SamplerState, src: Array, dst: Array) -> SamplerState:
+    # The child shares the parent's prompt, not its outputs: copy the prompt mask, zero counts.
+    return SamplerState(counts=sstate.counts.at[dst].set(0),
+                        prompt_mask=sstate.prompt_mask.at[dst].set(sstate.prompt_mask[src]))
+
+
 # Module-level jits with static config: every Runner of the same model and shapes shares one
 # compile cache (tests build many engines; a server builds one).
 _jit_step = jax.jit(_step, static_argnames=("cfg", "backend", "num_logprobs"),
@@ -233,6 +240,16 @@ class Runner:
             src[i], dst[i] = s, d
         self.cache = _copy_pages(self.cache, jnp.asarray(src), jnp.asarray(dst))
 
+    def copy_sampler_rows(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """n > 1: a forked child takes its parent's prompt statistics (slot src -> dst)."""
+        if not pairs:
+            return
+        src = np.full(self.max_slots, self.max_slots, np.int32)
+        dst = np.full(self.max_slots, self.max_slots, np.int32)
+        for i, (s, d) in enumerate(pairs):
+            src[i], dst[i] = s, d
+        self.sstate = _copy_sampler_rows(self.sstate, jnp.asarray(src), jnp.asarray(dst))
+
     def warmup(self) -> None:
         """Compiles every bucket once (all rows padding: writes go to the dummy page)."""
         for b in self.decode_buckets:
@@ -240,8 +257,9 @@ class Runner:
         for b, c in self.prefill_buckets:
             jax.block_until_ready(self.run(self.empty_input(b, c)).tokens)
         self.copy_pages([(DUMMY_PAGE, DUMMY_PAGE)])
+        self.copy_sampler_rows([(self.max_slots, self.max_slots)])
 
     def num_compilations(self) -> int:
         """Executables the jitted steps hold, process-wide (grows only for a new shape)."""
         return (_jit_step._cache_size() + _copy_pages._cache_size()
-                + _jit_verify._cache_size())
+                + _jit_verify._cache_size() + _copy_sampler_rows._cache_size())

@@ -223,7 +223,8 @@ class Scheduler:
         while (self.waiting and self.free_slots and budget > 0
                and len(prefill) < self.max_prefill_rows):
             seq = self.waiting[0]
-            if seq.fork_from is not None and not seq.fork_from.finished:
+            # A child that already has outputs (it was preempted) recomputes like any other.
+            if seq.fork_from is not None and not seq.fork_from.finished and not seq.output_ids:
                 if not self._try_fork(seq, copies):
                     break
                 prefill.append(PrefillChunk(seq, seq.num_computed, 1))

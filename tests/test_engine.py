@@ -156,3 +156,14 @@ def test_abort_frees_pages(tiny):
     while eng.has_unfinished_requests():
         eng.step()
     assert eng.blocks.all_free()
+
+
+def test_cache_is_donated_and_updated_in_place(tiny):
+    cfg, params = tiny
+    eng = make_engine(cfg, params)
+    before = eng.runner.cache.k[0]
+    ptr = before.unsafe_buffer_pointer()
+    eng.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3))
+    eng.step()
+    assert before.is_deleted()  # donated to the step
+    assert eng.runner.cache.k[0].unsafe_buffer_pointer() == ptr  # same buffer, written in place

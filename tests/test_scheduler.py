@@ -1,0 +1,72 @@
+"""Scheduler invariants under random workloads (hypothesis), with the device simulated."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmserve.block_manager import BlockManager
+from llmserve.sampling_params import SamplingParams
+from llmserve.scheduler import Scheduler, Sequence, Status
+
+
+def check(sched: Scheduler, blocks: BlockManager, max_slots: int) -> None:
+    slots = [s.slot for s in sched.running]
+    assert len(set(slots)) == len(slots) and all(0 <= s < max_slots for s in slots)
+    assert len(sched.free_slots) + len(slots) == max_slots
+    assert all(s.status == Status.RUNNING for s in sched.running)
+    assert all(s.status == Status.WAITING for s in sched.waiting)
+    blocks.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    reqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(1, 3)),
+                  min_size=1, max_size=12),
+    num_pages=st.integers(12, 40),
+    policy=st.sampled_from(["continuous", "static"]),
+    lookahead=st.integers(0, 3),
+    abort_every=st.integers(0, 7),
+)
+def test_every_request_finishes_and_pages_return(reqs, num_pages, policy, lookahead,
+                                                 abort_every):
+    page, max_slots, max_len = 4, 4, 48
+    blocks = BlockManager(num_pages, page)
+    sched = Scheduler(blocks, max_slots=max_slots, max_prefill_rows=2, max_chunk=8,
+                      max_num_batched_tokens=16, policy=policy)
+    seqs = []
+    for i, (plen, new, n) in enumerate(reqs):
+        sp = SamplingParams(n=n, max_tokens=new)
+        group = []
+        for j in range(n):
+            seq = Sequence(request_id=str(i), index=j, prompt_ids=[(i * 7 + k) % 50 + 1
+                                                                   for k in range(plen)],
+                           params=sp, seed=j)
+            if j:
+                seq.fork_from = group[0]
+            group.append(seq)
+            sched.add(seq)
+        seqs += group
+    steps = 0
+    while sched.has_work():
+        steps += 1
+        assert steps < 5000, "scheduler made no progress"
+        plan = sched.schedule(lookahead, max_len)
+        check(sched, blocks, max_slots)
+        assert not (set(map(id, plan.decode)) & {id(c.seq) for c in plan.prefill})
+        for c in plan.prefill:
+            c.seq.num_computed += c.length
+            if c.final:
+                c.seq.output_ids.append(1)
+        for seq in plan.decode:  # a verify step may accept some drafts; pretend one
+            seq.num_computed += 1
+            seq.output_ids.append(2)
+            blocks.truncate(seq.seq_id, seq.num_computed)
+        for seq in list(sched.running):
+            blocks.commit(seq.seq_id, seq.all_ids, min(seq.num_computed, seq.num_tokens))
+            if seq.output_ids and (len(seq.output_ids) >= seq.params.max_tokens
+                                   or seq.num_tokens >= max_len):
+                sched.finish(seq, "length")
+        if abort_every and steps % abort_every == 0 and sched.running:
+            sched.finish(sched.running[0], "abort")
+        check(sched, blocks, max_slots)
+    assert all(s.finished for s in seqs)
+    assert blocks.all_free()
