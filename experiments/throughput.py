@@ -394,9 +394,8 @@ def notes(cfg, results: dict) -> list[str]:
                    "time is extrapolated to the whole workload at the measured tokens/s")
     static = results.get("llmserve_static")
     if static:
-        out.append("llmserve static admits a new batch only once no sequence runs, and a batch is "
-                   f"what one step admits (<= {static['max_prefill_rows']} prompts, "
-                   f"<= {cfg.llmserve.max_num_batched_tokens} tokens)")
+        out.append("llmserve static admits a batch only when every slot is free, prefills all of "
+                   "it, then decodes until the whole batch has finished")
     if cfg.profile:
         out.append("profile mode: every device call is synchronized, so wall times run high")
     return out

@@ -113,3 +113,18 @@ def test_never_slower_policy():
         pol.record(1, 4, 0)
     assert not pol.proposes(1) and pol.expected_tokens(1) == 1.0
     assert pol.proposes(2)
+
+
+def test_speculation_with_preemption_and_prefix_cache(tiny):
+    cfg, params = tiny
+    prompts, lens = repetitive_workload(cfg, 10, seed=9)
+    system = list(range(40, 52))  # a shared 3-page prefix
+    prompts = [system + p for p in prompts]
+    sps = [SamplingParams(temperature=0, max_tokens=n + 8, ignore_eos=True) for n in lens]
+    want = run_all(make_engine(cfg, params), prompts, sps)
+    eng = make_engine(cfg, params, num_pages=32, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    got = run_all(eng, prompts, sps)
+    assert eng.stats["preemptions"] > 0 and eng.blocks.stats.prefix_hits > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert eng.blocks.all_free()
