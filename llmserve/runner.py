@@ -61,15 +61,21 @@ class StepOutput:
     top_logprobs: Array  # [B, n] float32
 
 
+def _metadata(inp: StepInput) -> AttentionMetadata:
+    """Row b's tokens sit at q_start[b] + t; the first n_valid[b] of them are real."""
+    t = inp.tokens.shape[1]
+    ar = jnp.arange(t, dtype=jnp.int32)
+    return AttentionMetadata(positions=inp.q_start[:, None] + ar[None, :], q_start=inp.q_start,
+                             lengths=inp.q_start + inp.n_valid,
+                             token_mask=ar[None, :] < inp.n_valid[:, None],
+                             block_tables=inp.block_tables)
+
+
 def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput, *,
           cfg: ModelConfig, backend: str, num_logprobs: int):
     b, t = inp.tokens.shape
-    ar = jnp.arange(t, dtype=jnp.int32)
-    positions = inp.q_start[:, None] + ar[None, :]
-    token_mask = ar[None, :] < inp.n_valid[:, None]
-    meta = AttentionMetadata(positions=positions, q_start=inp.q_start,
-                             lengths=inp.q_start + inp.n_valid, token_mask=token_mask,
-                             block_tables=inp.block_tables)
+    meta = _metadata(inp)
+    positions, token_mask = meta.positions, meta.token_mask
     last = jnp.maximum(inp.n_valid - 1, 0)
     logits, cache = Transformer(cfg).apply({"params": params}, inp.tokens, meta, cache,
                                            backend=backend, logits_index=last)
@@ -106,12 +112,7 @@ def _verify_step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInp
     from llmserve import speculative
 
     b, t = inp.tokens.shape
-    ar = jnp.arange(t, dtype=jnp.int32)
-    positions = inp.q_start[:, None] + ar[None, :]
-    token_mask = ar[None, :] < inp.n_valid[:, None]
-    meta = AttentionMetadata(positions=positions, q_start=inp.q_start,
-                             lengths=inp.q_start + inp.n_valid, token_mask=token_mask,
-                             block_tables=inp.block_tables)
+    meta = _metadata(inp)
     logits, cache = Transformer(cfg).apply({"params": params}, inp.tokens, meta, cache,
                                            backend=backend)  # [B, K+1, V]
     rows = jnp.arange(b)[:, None]
