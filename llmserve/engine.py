@@ -271,10 +271,13 @@ class Engine:
         if plan.prefill:
             outs.append(("prefill", plan.prefill, self._run_prefill(plan)))
         fetched = jax.device_get([o[2] for o in outs])  # one transfer for the whole step
-        if self.spec is not None and plan.decode and not plan.prefill:
-            self.policy.time("verify" if lookahead else "decode",
-                             self.runner.decode_bucket(len(plan.decode)),
-                             time.perf_counter() - t0)
+        if self.spec is not None and plan.decode:
+            elapsed = time.perf_counter() - t0
+            key = "spec_verify_time_s" if lookahead else "spec_decode_time_s"
+            self.stats[key] = self.stats.get(key, 0.0) + elapsed  # draft + verify, or decode
+            if not plan.prefill:
+                self.policy.time("verify" if lookahead else "decode",
+                                 self.runner.decode_bucket(len(plan.decode)), elapsed)
         touched: dict[str, _Request] = {}
         for (kind, rows, _), res in zip(outs, fetched):
             if kind == "verify":
@@ -403,6 +406,14 @@ class Engine:
             req.metrics.spec_accepted += n
         self.stats["spec_proposed"] = self.stats.get("spec_proposed", 0) + drafted
         self.stats["spec_accepted"] = self.stats.get("spec_accepted", 0) + n
+        self.stats["spec_verify_rows"] = self.stats.get("spec_verify_rows", 0) + 1
+        k = self.spec.num_speculative_tokens
+        proposed_at = self.stats.setdefault("spec_proposed_per_pos", [0] * k)
+        accepted_at = self.stats.setdefault("spec_accepted_per_pos", [0] * k)
+        for j in range(drafted):
+            proposed_at[j] += 1
+        for j in range(n):
+            accepted_at[j] += 1
         seq.num_computed += n + 1
         for j in range(proposed + 1):
             if seq.finished:
@@ -506,6 +517,20 @@ class Engine:
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,
                              prompt_token_ids=list(req.prompt_ids), outputs=outs,
                              finished=finished, metrics=req.metrics)
+
+    def spec_metrics(self) -> dict:
+        """Speculative decoding so far: acceptance rate, mean accepted length per verify row,
+        acceptance per draft position, and the time spent in verify (draft + verify) and in
+        plain decode steps."""
+        st = self.stats
+        proposed, rows = st.get("spec_proposed", 0), st.get("spec_verify_rows", 0)
+        per_pos = [a / p if p else None for a, p in zip(st.get("spec_accepted_per_pos", []),
+                                                        st.get("spec_proposed_per_pos", []))]
+        return {"acceptance_rate": st.get("spec_accepted", 0) / proposed if proposed else None,
+                "mean_accepted_length": st.get("spec_accepted", 0) / rows if rows else None,
+                "acceptance_per_position": per_pos,
+                "verify_time_s": st.get("spec_verify_time_s", 0.0),
+                "decode_time_s": st.get("spec_decode_time_s", 0.0)}
 
     def page_usage(self) -> dict:
         """Pages reserved vs token slots used by running sequences (KV waste)."""

@@ -49,8 +49,12 @@ def test_greedy_identical_with_speculation(tiny, method, k):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert eng.runner.num_compilations() == compiles  # no recompilation with speculation
     assert eng.stats["spec_proposed"] > 0
+    m = eng.spec_metrics()
     if method == "draft":
         assert eng.stats["spec_accepted"] == eng.stats["spec_proposed"]
+        assert m["acceptance_rate"] == 1.0 and m["acceptance_per_position"][0] == 1.0
+    assert 0 <= m["acceptance_rate"] <= 1 and m["verify_time_s"] > 0
+    assert len(m["acceptance_per_position"]) == k
     assert eng.blocks.all_free()
 
 
