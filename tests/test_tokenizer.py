@@ -6,7 +6,6 @@ import sysconfig
 
 import pytest
 
-from llmserve.checkpoint import gguf as G
 from llmserve.tokenizer import IncrementalDetokenizer, Tokenizer, _pre_tokenizer
 
 UNICODE_LINES = [
@@ -71,11 +70,8 @@ def _stdlib_corpus(max_lines=3000):
 
 
 @pytest.fixture(scope="module")
-def path():
-    try:
-        return G.default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def path(gguf_path):
+    return gguf_path
 
 
 @pytest.fixture(scope="module")
