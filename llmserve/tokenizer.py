@@ -151,14 +151,9 @@ class Tokenizer:
         special added tokens (matched whole, skipped by ``decode``); user-defined tokens become
         plain added tokens.
         """
-        from llmserve.checkpoint.gguf import read_gguf
+        from llmserve.checkpoint.gguf import open_gguf
 
-        if isinstance(path_or_reader, (str, os.PathLike)):
-            source = os.fspath(path_or_reader)
-            reader = read_gguf(source)
-        else:
-            reader = path_or_reader
-            source = getattr(reader, "path", "gguf")
+        reader, source = open_gguf(path_or_reader)
 
         def meta(key, default=None):
             field = reader.fields.get(key)

@@ -276,13 +276,16 @@ def _hf_getter(reader, cfg: ModelConfig, path: str) -> tuple[Callable[[str], np.
     return get, list(by_hf)
 
 
-def _reader_and_config(path_or_reader: Any) -> tuple[Any, ModelConfig, str]:
+def open_gguf(path_or_reader: Any) -> tuple[Any, str]:
+    """(reader, path) from a GGUF path or an already open reader."""
     if isinstance(path_or_reader, (str, os.PathLike)):
         path = os.fspath(path_or_reader)
-        reader = read_gguf(path)
-    else:
-        reader = path_or_reader
-        path = getattr(reader, "path", "gguf")
+        return read_gguf(path), path
+    return path_or_reader, getattr(path_or_reader, "path", "gguf")
+
+
+def _reader_and_config(path_or_reader: Any) -> tuple[Any, ModelConfig, str]:
+    reader, path = open_gguf(path_or_reader)
     return reader, config_from_gguf(reader, path), path
 
 
