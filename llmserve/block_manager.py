@@ -10,9 +10,13 @@ Every page except the dummy page 0 is in exactly one of three states:
 * referenced: refcount > 0, equal to the number of block tables that hold it.
 
 Prefix cache. A FULL page whose KV has been written (``commit``) is keyed by the chained hash
-``hash((prev_hash, tuple(page_tokens)))``, so a key names the page's tokens and everything before
-them. ``allocate`` reuses the longest run of consecutive hits from the start of the prompt, but
-never the page that holds the last prompt token: that token must be computed so logits exist.
+``page_hash(prev_hash, page_tokens)``: sha256 over the parent's digest and the page's token ids,
+so a key names the page's tokens and everything before them, and a crafted prompt cannot collide
+with another user's prefix (Python's ``hash`` is neither collision-resistant nor stable across
+processes). The chain starts from ``root_hash(cache_salt)``: requests with different salts never
+share pages, which separates tenants of one server. ``allocate`` reuses the longest run of
+consecutive hits from the start of the prompt, but never the page that holds the last prompt
+token: that token must be computed so logits exist.
 
 Copy-on-write. ``fork`` shares pages; the first write into a page with refcount > 1 (``append``)
 moves the writer onto a fresh page and reports ``(src, dst)`` for the device to copy.
@@ -22,11 +26,25 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Hashable, Sequence
+import hashlib
+from typing import Hashable, Optional, Sequence
 
 DUMMY_PAGE = 0  # reserved: padding writes land here; never allocated, never freed
 
 SeqId = Hashable
+
+
+def root_hash(cache_salt: Optional[str] = None) -> bytes:
+    """The digest a sequence's hash chain starts from; a salt gives a tenant its own chain."""
+    salt = b"" if cache_salt is None else b"salt:" + str(cache_salt).encode("utf-8")
+    return hashlib.sha256(b"llmserve-prefix-v1\0" + salt).digest()
+
+
+def page_hash(prev: bytes, tokens: Sequence[int]) -> bytes:
+    """sha256 over the parent page's digest and this page's token ids (little-endian u32)."""
+    h = hashlib.sha256(prev)
+    h.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    return h.digest()
 
 
 class NoFreePages(RuntimeError):
@@ -56,11 +74,12 @@ class BlockManager:
         self._refcount = [0] * num_pages
         self._free: collections.deque[int] = collections.deque(range(1, num_pages))
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
-        self._hash_to_page: dict[int, int] = {}
-        self._page_key: dict[int, tuple[int, tuple[int, ...]]] = {}  # page -> (hash, tokens)
+        self._hash_to_page: dict[bytes, int] = {}
+        self._page_key: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # page -> (hash, tokens)
         self._tables: dict[SeqId, list[int]] = {}
         self._lengths: dict[SeqId, int] = {}
-        self._hashes: dict[SeqId, list[int]] = {}  # chained hashes, committed full pages
+        self._hashes: dict[SeqId, list[bytes]] = {}  # chained hashes, committed full pages
+        self._roots: dict[SeqId, bytes] = {}  # where each sequence's chain starts (its salt)
 
     # ---------------------------------------------------------------- queries
 
@@ -91,12 +110,13 @@ class BlockManager:
 
     # ---------------------------------------------------------------- allocate
 
-    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+    def can_allocate(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> bool:
         """Whether ``allocate`` would succeed for this prompt."""
-        hit_pages, _ = self._match_prefix(token_ids)
+        hit_pages, _ = self._match_prefix(token_ids, root_hash(cache_salt))
         return self._pages_needed(token_ids, hit_pages) <= self.num_free_pages
 
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int],
+                 cache_salt: Optional[str] = None) -> int:
         """Reserve pages for a new sequence's prompt; return num_cached_tokens (page multiple).
 
         Pages of the longest cached prefix are shared instead of allocated; their KV is valid,
@@ -104,7 +124,8 @@ class BlockManager:
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already allocated")
-        hit_pages, hit_hashes = self._match_prefix(token_ids)
+        root = root_hash(cache_salt)
+        hit_pages, hit_hashes = self._match_prefix(token_ids, root)
         needed = self._pages_needed(token_ids, hit_pages)
         if needed > self.num_free_pages:
             raise NoFreePages(f"prompt of {len(token_ids)} tokens needs {needed} pages, "
@@ -115,21 +136,23 @@ class BlockManager:
         self._tables[seq_id] = hit_pages + fresh
         self._lengths[seq_id] = len(token_ids)
         self._hashes[seq_id] = hit_hashes
+        self._roots[seq_id] = root
         if self.enable_prefix_caching:
             self.stats.prefix_hits += len(hit_pages)
             self.stats.prefix_misses += len(token_ids) // self.page_size - len(hit_pages)
         return len(hit_pages) * self.page_size
 
-    def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    def _match_prefix(self, token_ids: Sequence[int],
+                      root: bytes) -> tuple[list[int], list[bytes]]:
         """Pages and chained hashes of the longest cached prefix (pure: no state change)."""
         pages: list[int] = []
-        hashes: list[int] = []
+        hashes: list[bytes] = []
         if not self.enable_prefix_caching:
             return pages, hashes
-        prev = -1
+        prev = root
         for i in range((len(token_ids) - 1) // self.page_size):  # never the last token's page
             tokens = tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])
-            prev = hash((prev, tokens))
+            prev = page_hash(prev, tokens)
             page = self._hash_to_page.get(prev)
             if page is None or self._page_key[page] != (prev, tokens):  # miss (or collision)
                 break
@@ -213,10 +236,10 @@ class BlockManager:
             raise ValueError(f"{num_computed=} exceeds tokens ({len(token_ids)}) or length "
                              f"({self._lengths[seq_id]}) of {seq_id!r}")
         hashes, table, size = self._hashes[seq_id], self._tables[seq_id], self.page_size
-        prev = hashes[-1] if hashes else -1
+        prev = hashes[-1] if hashes else self._roots[seq_id]
         for i in range(len(hashes), num_computed // size):
             tokens = tuple(token_ids[i * size:(i + 1) * size])
-            prev = hash((prev, tokens))
+            prev = page_hash(prev, tokens)
             hashes.append(prev)
             page = table[i]
             if prev not in self._hash_to_page and page not in self._page_key:
@@ -235,6 +258,7 @@ class BlockManager:
         self._tables[child_id] = list(table)
         self._lengths[child_id] = self._lengths[parent_id]
         self._hashes[child_id] = list(self._hashes[parent_id])
+        self._roots[child_id] = self._roots[parent_id]
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence's pages, tail first (so its prefix outlives its tail in the LRU)."""
@@ -242,6 +266,7 @@ class BlockManager:
             self._release(page)
         del self._lengths[seq_id]
         del self._hashes[seq_id]
+        del self._roots[seq_id]
 
     # ---------------------------------------------------------------- page primitives
 
@@ -296,7 +321,8 @@ class BlockManager:
         assert len(self._hash_to_page) == len(self._page_key), "two pages share a hash"
         assert cached <= set(self._page_key), "cached-free page without a hash"
         assert not free & set(self._page_key), "free page with a hash"
-        assert self._tables.keys() == self._lengths.keys() == self._hashes.keys()
+        assert (self._tables.keys() == self._lengths.keys() == self._hashes.keys()
+                == self._roots.keys())
         for seq_id, table in self._tables.items():
             assert len(table) == self.num_pages_for(self._lengths[seq_id]), f"{seq_id!r} table"
             assert len(self._hashes[seq_id]) <= self._lengths[seq_id] // self.page_size

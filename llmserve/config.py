@@ -69,6 +69,8 @@ class ModelConfig:
     model_type: str = "llama"
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
+    extra_eos_token_ids: tuple = ()  # config.json may list several EOS ids; these follow the first
+    sliding_window: Optional[int] = None  # Mistral-style local attention span (None = global)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -81,6 +83,12 @@ class ModelConfig:
                 f"ModelConfig.n_heads={self.n_heads} is not a multiple of "
                 f"n_kv_heads={self.n_kv_heads}")
         resolve_dtype(self.dtype)
+
+    @property
+    def eos_token_ids(self) -> tuple:
+        """Every EOS id of the model: ``eos_token_id`` first, then the extra ones."""
+        first = () if self.eos_token_id is None else (self.eos_token_id,)
+        return first + tuple(t for t in self.extra_eos_token_ids if t != self.eos_token_id)
 
     @property
     def group_size(self) -> int:
@@ -125,8 +133,12 @@ class ModelConfig:
         scaling = cfg.get("rope_scaling") or rope_params
         rope_scaling = _rope_scaling_from_dict(scaling, source)
         eos = cfg.get("eos_token_id")
+        eos_list = [int(e) for e in eos] if isinstance(eos, list) else []
         if isinstance(eos, list):
-            eos = eos[0] if eos else None
+            eos = eos_list[0] if eos_list else None
+        window = cfg.get("sliding_window")
+        if not cfg.get("use_sliding_window", True) or model_type == "llama":
+            window = None  # Qwen2 ships a window it does not use; Llama has none
         torch_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -146,6 +158,8 @@ class ModelConfig:
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
+            extra_eos_token_ids=tuple(eos_list[1:]),
+            sliding_window=int(window) if window else None,
         )
 
     @classmethod
@@ -183,8 +197,11 @@ class ModelConfig:
             "hidden_act": "silu",
             "torch_dtype": "float32",
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": (list(self.eos_token_ids) if self.extra_eos_token_ids
+                             else self.eos_token_id),
         }
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
         if self.model_type == "llama":
             out["attention_bias"] = self.qkv_bias
         if self.rope_scaling is not None:

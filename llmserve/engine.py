@@ -9,6 +9,8 @@ transfer per step, and applies stop conditions. Bad input is rejected in ``add_r
 from __future__ import annotations
 
 import dataclasses
+import logging
+import numbers
 import time
 from typing import Optional, Sequence, Union
 
@@ -18,8 +20,8 @@ import numpy as np
 from llmserve.block_manager import BlockManager
 from llmserve.config import ModelConfig
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from llmserve.runner import Runner
-from llmserve.sampling_params import SamplingParams
+from llmserve.runner import MAX_SUPPRESS_IDS, Runner
+from llmserve.sampling_params import SamplingParams, child_seed, request_seed
 from llmserve.scheduler import Plan, Scheduler
 from llmserve.scheduler import Sequence as Seq
 
@@ -42,17 +44,81 @@ class EngineConfig:
     max_logprobs: int = 5
     seed: int = 0
     speculative_config: Optional[dict] = None  # {"method": "ngram"|"draft", "model": ..., K}
+    # vLLM's knob: the fraction of device memory (system memory on CPU) for weights + KV cache.
+    gpu_memory_utilization: Optional[float] = None
 
-    def resolve_num_pages(self, cfg: ModelConfig) -> int:
-        if self.num_pages is not None and self.kv_cache_memory is not None:
-            raise ValueError("EngineConfig: give num_pages or kv_cache_memory, not both")
+    def validate(self) -> None:
+        """Raises TypeError/ValueError naming the first bad field (before anything is built)."""
+        def check(field, ok, why, optional=False, kind=int):
+            v = getattr(self, field)
+            if v is None and optional:
+                return
+            if isinstance(v, bool) or not isinstance(v, kind):
+                raise TypeError(f"EngineConfig.{field}={v!r}: must be {kind.__name__}")
+            if not ok(v):
+                raise ValueError(f"EngineConfig.{field}={v!r}: {why}")
+
+        check("max_model_len", lambda v: v >= 2, "must be an int >= 2")
+        check("max_num_seqs", lambda v: v >= 1, "must be an int >= 1")
+        check("page_size", lambda v: v >= 1, "must be an int >= 1")
+        check("num_pages", lambda v: v >= 2, "must be an int >= 2", optional=True)
+        check("kv_cache_memory", lambda v: v > 0, "must be > 0 bytes", optional=True)
+        check("max_num_batched_tokens", lambda v: v >= 1, "must be an int >= 1")
+        check("max_logprobs", lambda v: 0 <= v <= 20, "must be in [0, 20]")
+        check("seed", lambda v: True, "")
+        check("gpu_memory_utilization", lambda v: 0 < v <= 1, "must be in (0, 1]",
+              optional=True, kind=float)
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(f"EngineConfig.scheduling={self.scheduling!r}: use 'continuous' "
+                             "or 'static'")
+        given = [k for k in ("num_pages", "kv_cache_memory", "gpu_memory_utilization")
+                 if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"EngineConfig: give at most one of num_pages, kv_cache_memory, "
+                             f"gpu_memory_utilization (got {', '.join(given)})")
+
+    def resolve_num_pages(self, cfg: ModelConfig, weight_bytes: int = 0) -> int:
+        """Pages in the pool: given, from a byte budget, or enough for every slot at full length.
+
+        ``gpu_memory_utilization`` sizes the pool as that fraction of the device's memory (on
+        CPU: of the system's available memory) minus the weights' bytes.
+        """
+        itemsize = np.dtype(cfg.jnp_dtype).itemsize
+        per_page = 2 * cfg.n_layers * cfg.n_kv_heads * self.page_size * cfg.head_dim * itemsize
         if self.num_pages is not None:
             return int(self.num_pages)
         if self.kv_cache_memory is not None:
-            itemsize = np.dtype(cfg.jnp_dtype).itemsize
-            per_page = 2 * cfg.n_layers * cfg.n_kv_heads * self.page_size * cfg.head_dim * itemsize
             return int(self.kv_cache_memory // per_page)
+        if self.gpu_memory_utilization is not None:
+            budget = self.gpu_memory_utilization * device_memory_bytes() - weight_bytes
+            if budget < 2 * per_page:
+                raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} leaves "
+                                 f"{max(budget, 0) / 2**20:.1f} MiB for the KV cache after "
+                                 f"{weight_bytes / 2**20:.1f} MiB of weights")
+            return int(budget // per_page)
         return self.max_num_seqs * -(-self.max_model_len // self.page_size) + 1
+
+
+def device_memory_bytes() -> int:
+    """Memory of the default device: its allocator's limit on an accelerator, else the
+    system's available memory (``MemAvailable``, or total RAM where /proc is absent)."""
+    stats = None
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # CPU devices have no memory stats
+        pass
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class _VerifyRow:
@@ -75,6 +141,7 @@ class _Request:
     metrics: RequestMetrics
     detok: list
     texts: list[str]
+    stop_from: list[int]  # per completion: stop strings may only match from here (min_tokens)
 
 
 class Engine:
@@ -86,9 +153,19 @@ class Engine:
 
         self.cfg = cfg
         self.config = config = config or EngineConfig()
+        config.validate()
+        if cfg.sliding_window is not None and config.max_model_len > cfg.sliding_window:
+            logging.warning("max_model_len capped from %d to the model's sliding_window=%d: "
+                            "sliding-window attention is not implemented, and attention "
+                            "past the window would be wrong", config.max_model_len,
+                            cfg.sliding_window)
+            config = self.config = dataclasses.replace(config,
+                                                       max_model_len=cfg.sliding_window)
         self.tokenizer = tokenizer
         backend = check_backend(config.backend or default_backend())
-        num_pages = config.resolve_num_pages(cfg)
+        weight_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                           for x in jax.tree_util.tree_leaves(params))
+        num_pages = config.resolve_num_pages(cfg, weight_bytes)
         pages_per_seq = -(-config.max_model_len // config.page_size)
         if num_pages < pages_per_seq + 1:
             raise ValueError(
@@ -110,12 +187,11 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self.stats = {"steps": 0, "decode_rows": 0, "decode_slots": 0, "prefill_tokens": 0,
                       "prefill_slots": 0, "preemptions": 0, "generated_tokens": 0}
-        self._eos = set()
+        self._eos = set(cfg.eos_token_ids)
         if tokenizer is not None:
-            self._eos = set(getattr(tokenizer, "stop_token_ids", None) or [])
-        elif cfg.eos_token_id is not None:
-            self._eos = {cfg.eos_token_id}
+            self._eos |= set(getattr(tokenizer, "stop_token_ids", None) or [])
         self._counter = 0
+        self._aborted: list[RequestOutput] = []  # final outputs the next step() reports
         self.spec = None
         if config.speculative_config is not None:
             self._init_speculation(config.speculative_config, num_pages, backend)
@@ -173,22 +249,42 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("prompt is a string but the engine has no tokenizer")
             return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+                raise ValueError("a prompt dict needs exactly one of 'prompt' or "
+                                 f"'prompt_token_ids' (and optionally 'cache_salt'); got keys "
+                                 f"{sorted(prompt)}")
+            if "prompt" in prompt:
+                if not isinstance(prompt["prompt"], str):
+                    raise TypeError("prompt['prompt'] must be a string")
+                return self._tokenize(prompt["prompt"])
             prompt = prompt["prompt_token_ids"]
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return self._tokenize(prompt["prompt"])
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"prompt must be a string or a list of token ids, got "
-                             f"{type(prompt).__name__}") from e
-        return None, ids
+        if isinstance(prompt, (bytes, float, int)) or prompt is None:
+            raise TypeError(f"prompt must be a string or a list of token ids, got "
+                            f"{type(prompt).__name__}")
+        prompt = list(prompt)
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in prompt):
+            raise TypeError("prompt token ids must be ints")
+        return None, [int(t) for t in prompt]
 
     def add_request(self, request_id: Optional[str], prompt: Union[str, Sequence[int], dict],
-                    params: Optional[SamplingParams] = None) -> str:
-        """Validates and queues a request; raises ValueError (nothing queued) on bad input."""
+                    params: Optional[SamplingParams] = None,
+                    cache_salt: Optional[str] = None) -> str:
+        """Validates and queues a request; raises ValueError (nothing queued) on bad input.
+
+        ``prompt`` is a string, a list of token ids, or vLLM's dict form (``{"prompt": ...}``
+        or ``{"prompt_token_ids": ...}``, optionally with ``"cache_salt"``). Requests with
+        different ``cache_salt`` never share prefix-cache pages (tenant isolation).
+        """
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            cache_salt = prompt["cache_salt"]
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if request_id is None:
             request_id = str(self._counter)
         request_id = str(request_id)
@@ -212,12 +308,19 @@ class Engine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.cfg.vocab_size]
         if bad_stop:
             raise ValueError(f"SamplingParams.stop_token_ids: {bad_stop[0]} is out of range")
-        base_seed = params.seed if params.seed is not None else (
-            hash((self.config.seed, request_id)) & 0x7FFFFFFF)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.stop={params.stop!r}: stop strings need a "
+                             "tokenizer, and this engine has none (use stop_token_ids)")
+        n_stop_ids = len(set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos))
+        if params.min_tokens > 0 and n_stop_ids > MAX_SUPPRESS_IDS:
+            raise ValueError(f"SamplingParams.min_tokens needs to ban {n_stop_ids} stop ids; "
+                             f"at most {MAX_SUPPRESS_IDS} are supported")
+        base_seed = params.seed if params.seed is not None else request_seed(
+            self.config.seed, request_id)
         seqs = []
         for i in range(params.n):
             seq = Seq(request_id=request_id, index=i, prompt_ids=list(ids), params=params,
-                      seed=(base_seed + i) & 0x7FFFFFFF)
+                      seed=child_seed(base_seed, i), cache_salt=cache_salt)
             if i > 0:
                 seq.fork_from = seqs[0]
             seqs.append(seq)
@@ -229,36 +332,42 @@ class Engine:
                      for _ in seqs]
         self.requests[request_id] = _Request(request_id, text, ids, params, seqs,
                                              RequestMetrics(arrival_time=time.time()), detok,
-                                             ["" for _ in seqs])
+                                             ["" for _ in seqs], [0 for _ in seqs])
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Stops a request; its pages and slot are freed now."""
-        req = self.requests.pop(str(request_id), None)
+        """Stops a request; its pages and slot are freed now, and the next ``step()`` returns
+        its final output with ``finish_reason="abort"`` (unknown or finished ids are ignored)."""
+        req = self.requests.get(str(request_id))
         if req is None:
             return
         for seq in req.seqs:
             if not seq.finished:
-                self.scheduler.finish(seq, "abort")
+                self._finish(seq, "abort")
+        self._aborted.append(self._output(req))
+
+    def _finish(self, seq: Seq, reason: str, stop_reason=None) -> None:
+        self.scheduler.finish(seq, reason, stop_reason)
+        if self.spec is not None:
+            self.policy.forget(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        """True while some request is queued or running, or an abort is still to be reported."""
+        return self.scheduler.has_work() or bool(self._aborted)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling iteration; returns the requests that progressed."""
+        aborted, self._aborted = self._aborted, []
         lookahead = self._lookahead()
         plan = self.scheduler.schedule(lookahead, self.config.max_model_len)
         self.stats["preemptions"] += len(plan.preempted)
         if plan.empty:
-            return []
+            return aborted
         self.runner.copy_pages(plan.copies)
-        self.runner.copy_sampler_rows([
-            (c.seq.fork_from.slot, c.seq.slot) for c in plan.prefill
-            if c.seq.fork_from is not None and not c.seq.output_ids and c.start > 0
-            and c.seq.fork_from.slot is not None])
+        self._init_penalty_rows(plan)
         if self.spec is not None and plan.copies and hasattr(self.proposer, "copy_pages"):
             src, dst = zip(*plan.copies)
             self.proposer.copy_pages(jax.numpy.asarray(src), jax.numpy.asarray(dst))
@@ -299,7 +408,20 @@ class Engine:
                     self._append_token(seq, res, i)
                 touched[seq.request_id] = self.requests.get(seq.request_id)
         self.stats["steps"] += 1
-        return [self._output(r) for r in touched.values() if r is not None]
+        return aborted + [self._output(r) for r in touched.values() if r is not None]
+
+    def _init_penalty_rows(self, plan: Plan) -> None:
+        """Fills the penalty statistics of sequences (re)admitted this step from their whole
+        token lists (prefix-cache hits and recomputes included), before their first step."""
+        rows = []
+        for c in plan.prefill:
+            seq = c.seq
+            if seq.admitted:
+                seq.admitted = False
+                p = seq.params
+                if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+                    rows.append((seq.slot, seq.all_ids, len(seq.prompt_ids)))
+        self.runner.init_sampler_rows(rows)
 
     def _fill_row(self, host: dict, i: int, seq: Seq, start: int, tokens: list[int],
                   emit: bool) -> None:
@@ -307,11 +429,9 @@ class Engine:
         host["tokens"][i, :n] = tokens
         host["q_start"][i] = start
         host["n_valid"][i] = n
-        host["prompt_len"][i] = len(seq.prompt_ids)
         table = self.blocks.block_table(seq.seq_id)
         host["block_tables"][i, : len(table)] = table
         host["slot_ids"][i] = seq.slot
-        host["reset"][i] = start == 0
         host["emit"][i] = emit
         p = seq.params
         host["sampling"][i] = dict(
@@ -319,8 +439,9 @@ class Engine:
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty, seed=seq.seed)
         if len(seq.output_ids) < p.min_tokens:
-            banned = sorted(self._stop_ids(seq))[: host["suppress_ids"].shape[1]]
+            banned = sorted(self._stop_ids(seq))
             host["suppress_ids"][i, : len(banned)] = banned
+            host["suppress_until"][i] = p.min_tokens - len(seq.output_ids)
 
     def _run_decode(self, plan: Plan):
         b = self.runner.decode_bucket(len(plan.decode))
@@ -468,27 +589,42 @@ class Engine:
         req = self.requests.get(seq.request_id)
         if req is not None and req.metrics.first_token_time is None:
             req.metrics.first_token_time = time.time()
-        if req is not None and req.detok:
-            req.texts[seq.index] += req.detok[seq.index].add(token)
         n_out = len(seq.output_ids)
+        prev_len = 0
+        if req is not None and req.detok:
+            prev_len = len(req.texts[seq.index])
+            req.texts[seq.index] += req.detok[seq.index].add(token)
+            if n_out == p.min_tokens:
+                req.stop_from[seq.index] = len(req.texts[seq.index])
         if n_out >= p.min_tokens and token in self._stop_ids(seq):
-            self.scheduler.finish(seq, "stop", token)
-        elif req is not None and p.stop and n_out >= p.min_tokens and self._hit_stop_str(req, seq):
+            self._finish(seq, "stop", token)
+        elif req is not None and p.stop and n_out >= p.min_tokens and \
+                self._hit_stop_str(req, seq, prev_len):
             pass
         elif (p.max_tokens is not None and n_out >= p.max_tokens) or \
                 seq.num_tokens >= self.config.max_model_len:
-            self.scheduler.finish(seq, "length")
+            self._finish(seq, "length")
 
-    def _hit_stop_str(self, req: _Request, seq: Seq) -> bool:
+    def _hit_stop_str(self, req: _Request, seq: Seq, prev_len: int) -> bool:
+        """Ends ``seq`` at the first stop string that ends in the text this token added.
+
+        A match may start in earlier text only as far back as the stop string reaches
+        (``prev_len - len(stop) + 1``), and never before the text of the first ``min_tokens``
+        tokens (``stop_from``): text already returned is never cut retroactively.
+        """
         text = req.texts[seq.index]
+        best = None
         for s in seq.params.stop:
-            pos = text.find(s, max(0, len(text) - 64 - len(s)))
-            if pos >= 0:
-                keep = pos + len(s) if seq.params.include_stop_str_in_output else pos
-                req.texts[seq.index] = text[:keep]
-                self.scheduler.finish(seq, "stop", s)
-                return True
-        return False
+            pos = text.find(s, max(prev_len - len(s) + 1, req.stop_from[seq.index], 0))
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, s)
+        if best is None:
+            return False
+        pos, s = best
+        keep = pos + len(s) if seq.params.include_stop_str_in_output else pos
+        req.texts[seq.index] = text[:keep]
+        self._finish(seq, "stop", s)
+        return True
 
     def _output(self, req: _Request) -> RequestOutput:
         outs = []

@@ -26,9 +26,25 @@ class LLM:
                  backend: Optional[str] = None, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 512, scheduling: str = "continuous",
                  seed: int = 0, tokenizer: Any = None, params: Any = None,
-                 model_config: Any = None, warmup: bool = True, **engine_kwargs):
+                 model_config: Any = None, warmup: bool = True,
+                 gpu_memory_utilization: Optional[float] = None,
+                 speculative_model: Optional[str] = None,
+                 num_speculative_tokens: Optional[int] = None, **engine_kwargs):
         from llmserve.checkpoint import load_checkpoint
 
+        engine_kwargs = _speculative_kwargs(engine_kwargs, speculative_model,
+                                            num_speculative_tokens)
+        if backend is not None:
+            _check_backend_here(backend)
+        # Every engine knob is checked before the (slow) checkpoint load.
+        config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              page_size=page_size, num_pages=num_pages,
+                              kv_cache_memory=kv_cache_memory, backend=backend,
+                              enable_prefix_caching=enable_prefix_caching,
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              scheduling=scheduling, seed=seed,
+                              gpu_memory_utilization=gpu_memory_utilization, **engine_kwargs)
+        config.validate()
         if params is not None:
             if model_config is None:
                 raise ValueError("LLM(params=...) also needs model_config=")
@@ -39,13 +55,7 @@ class LLM:
             tokenizer = _load_tokenizer(model)
         self.model = model
         self.tokenizer = tokenizer
-        max_model_len = min(max_model_len, cfg.max_position_embeddings)
-        config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                              page_size=page_size, num_pages=num_pages,
-                              kv_cache_memory=kv_cache_memory, backend=backend,
-                              enable_prefix_caching=enable_prefix_caching,
-                              max_num_batched_tokens=max_num_batched_tokens,
-                              scheduling=scheduling, seed=seed, **engine_kwargs)
+        config.max_model_len = min(max_model_len, cfg.max_position_embeddings)
         self.engine = Engine(cfg, params, tokenizer, config)
         if warmup:
             self.engine.warmup()
@@ -80,7 +90,7 @@ class LLM:
         """Chat: one conversation (a list of {"role", "content"}) or a list of them."""
         if self.tokenizer is None:
             raise ValueError("LLM.chat needs a tokenizer with a chat template")
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        convs = _as_conversations(messages)
         prompts = [self.tokenizer.apply_chat_template(
             c, add_generation_prompt=add_generation_prompt) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -120,6 +130,48 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [done[i] for i in ids]
+
+
+def _as_conversations(messages) -> list[list[dict]]:
+    """One conversation or a list of them, each checked (``check_conversation``)."""
+    from llmserve.tokenizer import check_conversation
+
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("LLM.chat needs a non-empty list of messages (or of conversations)")
+    convs = [messages] if isinstance(messages[0], dict) else list(messages)
+    for c, conv in enumerate(convs):
+        check_conversation(conv, f"conversation {c}")
+    return [list(c) for c in convs]
+
+
+def _speculative_kwargs(engine_kwargs: dict, model, num_tokens) -> dict:
+    """vLLM's older spelling (``speculative_model=``, ``num_speculative_tokens=``) as a
+    ``speculative_config``."""
+    if model is None and num_tokens is None:
+        return engine_kwargs
+    if engine_kwargs.get("speculative_config") is not None:
+        raise ValueError("give speculative_config or speculative_model/num_speculative_tokens, "
+                         "not both")
+    if model is None or num_tokens is None:
+        raise ValueError("speculative_model and num_speculative_tokens go together")
+    method = "ngram" if model in ("[ngram]", "ngram") else "draft"
+    spec = {"method": method, "num_speculative_tokens": num_tokens}
+    if method == "draft":
+        spec["model"] = model
+    return dict(engine_kwargs, speculative_config=spec)
+
+
+def _check_backend_here(backend: str) -> None:
+    """The compiled Pallas backend needs a GPU; say so before anything is loaded."""
+    import jax
+
+    from llmserve.ops.attention import check_backend
+
+    check_backend(backend)
+    if backend == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"backend='pallas' compiles Triton kernels and needs a GPU; this "
+                         f"machine runs jax on {jax.default_backend()!r}. Use 'pallas_interpret' "
+                         "(the same kernels, interpreted) or 'xla' on CPU")
 
 
 def _as_prompt_list(prompts) -> list:

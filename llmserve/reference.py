@@ -65,6 +65,9 @@ def generate_reference(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]
     b = len(prompts)
     lens = np.array([len(p) for p in prompts], np.int32)
     t = int(lens.max())
+    if cfg.sliding_window is not None and t + max_new_tokens > cfg.sliding_window:
+        raise ValueError(f"{t + max_new_tokens} tokens exceed the model's sliding_window="
+                         f"{cfg.sliding_window}; sliding-window attention is not implemented")
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p

@@ -23,6 +23,8 @@ from llmserve.model import Transformer
 
 Array = jax.Array
 
+MAX_SUPPRESS_IDS = 32  # stop ids a min_tokens request may ban (EOS ids + stop_token_ids)
+
 
 @flax.struct.dataclass
 class SamplerState:
@@ -44,12 +46,11 @@ class StepInput:
     tokens: Array  # [B, T] int32
     q_start: Array  # [B] int32: position of tokens[:, 0]
     n_valid: Array  # [B] int32: real tokens in the row (0 = padding row)
-    prompt_len: Array  # [B] int32: positions below this are prompt tokens
     block_tables: Array  # [B, M] int32
     slot_ids: Array  # [B] int32: row in SamplerState (max_slots for padding rows)
-    reset: Array  # [B] bool: first chunk of a (re)started sequence: clear its sampler row
     emit: Array  # [B] bool: the sampled token is kept (final prefill chunk, or decode)
-    suppress_ids: Array  # [B, E] int32: token ids banned this step (min_tokens); V = none
+    suppress_ids: Array  # [B, E] int32: token ids banned (min_tokens not reached); V = none
+    suppress_until: Array  # [B] int32: the ban holds for the first this-many sampled positions
     sampling: sampling.SamplingArrays  # [B] per-row parameters
 
 
@@ -71,30 +72,32 @@ def _metadata(inp: StepInput) -> AttentionMetadata:
                              block_tables=inp.block_tables)
 
 
+def suppress(logits: Array, inp: StepInput) -> Array:
+    """logits [B, T, V]: bans ``suppress_ids`` at sampled positions t < ``suppress_until``."""
+    b, t, _ = logits.shape
+    active = jnp.arange(t)[None, :] < inp.suppress_until[:, None]  # [B, T]
+    ids = jnp.where(active[:, :, None], inp.suppress_ids[:, None, :], logits.shape[-1])
+    return logits.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], ids].set(
+        -jnp.inf, mode="drop")
+
+
 def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput, *,
           cfg: ModelConfig, backend: str, num_logprobs: int):
-    b, t = inp.tokens.shape
     meta = _metadata(inp)
-    positions, token_mask = meta.positions, meta.token_mask
     last = jnp.maximum(inp.n_valid - 1, 0)
     logits, cache = Transformer(cfg).apply({"params": params}, inp.tokens, meta, cache,
                                            backend=backend, logits_index=last)
-    logits = logits[:, 0]  # [B, V]
+    logits = suppress(logits, inp)[:, 0]  # [B, V]
 
-    rows = jnp.arange(b)[:, None]
-    counts = jnp.where(inp.reset[:, None], 0, sstate.counts[inp.slot_ids])
-    pmask = jnp.where(inp.reset[:, None], False, sstate.prompt_mask[inp.slot_ids])
-    if t > 1:  # prefill: record prompt tokens; recomputed outputs (after preemption) count
-        is_prompt = positions < inp.prompt_len[:, None]
-        pmask = pmask.at[rows, inp.tokens].max(token_mask & is_prompt)
-        counts = counts.at[rows, inp.tokens].add((token_mask & ~is_prompt).astype(jnp.int32))
-    logits = logits.at[rows, inp.suppress_ids].set(-jnp.inf, mode="drop")
+    # A sequence's sampler row was filled from its tokens when it was (re)admitted
+    # (``init_sampler_rows``); each step only adds the tokens it emits.
+    counts = sstate.counts[inp.slot_ids]
+    pmask = sstate.prompt_mask[inp.slot_ids]
     new_pos = inp.q_start + inp.n_valid  # where the sampled token will sit
     out = sampling.sample(logits, inp.sampling, new_pos, counts, pmask,
                           num_logprobs=num_logprobs)
     counts = sampling.update_counts(counts, out.tokens, inp.emit)
-    sstate = SamplerState(counts=sstate.counts.at[inp.slot_ids].set(counts),
-                          prompt_mask=sstate.prompt_mask.at[inp.slot_ids].set(pmask))
+    sstate = sstate.replace(counts=sstate.counts.at[inp.slot_ids].set(counts))
     result = StepOutput(tokens=out.tokens, logprobs=out.logprobs, top_ids=out.top_ids,
                         top_logprobs=out.top_logprobs)
     return result, cache, sstate
@@ -118,8 +121,7 @@ def _verify_step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInp
     rows = jnp.arange(b)[:, None]
     counts = sstate.counts[inp.slot_ids]
     pmask = sstate.prompt_mask[inp.slot_ids]
-    logits = logits.at[rows[:, :, None], jnp.arange(t)[None, :, None],
-                       inp.suppress_ids[:, None, :]].set(-jnp.inf, mode="drop")
+    logits = suppress(logits, inp)  # min_tokens: only positions still under it
     out = speculative.verify(draft_tokens, draft_probs, logits, inp.sampling, inp.q_start + 1,
                              counts, pmask, num_draft=num_draft)
     emitted = (out.out_tokens >= 0) & inp.emit[:, None]
@@ -132,10 +134,22 @@ _jit_verify = jax.jit(_verify_step, static_argnames=("cfg", "backend"),
                       donate_argnames=("cache", "sstate"))
 
 @functools.partial(jax.jit, donate_argnames=("sstate",))
-def _copy_sampler_rows(sstate: SamplerState, src: Array, dst: Array) -> SamplerState:
-    # The child shares the parent's prompt, not its outputs: copy the prompt mask, zero counts.
-    return SamplerState(counts=sstate.counts.at[dst].set(0),
-                        prompt_mask=sstate.prompt_mask.at[dst].set(sstate.prompt_mask[src]))
+def _init_sampler_rows(sstate: SamplerState, slots: Array, ids: Array, n_prompt: Array,
+                       n_total: Array) -> SamplerState:
+    """Rebuilds sampler rows from a sequence's tokens: slots [R], ids [R, M] (padded).
+
+    Prompt tokens (positions < n_prompt) set the prompt mask; output tokens (n_prompt <= pos <
+    n_total) are counted. Padding rows target the padding slot, whose value is never read.
+    """
+    r, m = ids.shape
+    pos = jnp.arange(m)[None, :]
+    rows = jnp.arange(r)[:, None]
+    v = sstate.counts.shape[1]
+    pmask = jnp.zeros((r, v), bool).at[rows, ids].max(pos < n_prompt[:, None])
+    counts = jnp.zeros((r, v), jnp.int32).at[rows, ids].add(
+        ((pos >= n_prompt[:, None]) & (pos < n_total[:, None])).astype(jnp.int32))
+    return SamplerState(counts=sstate.counts.at[slots].set(counts),
+                        prompt_mask=sstate.prompt_mask.at[slots].set(pmask))
 
 
 # Module-level jits with static config: every Runner of the same model and shapes shares one
@@ -198,11 +212,11 @@ class Runner:
         """Host arrays for a [b, t] step with every row padding."""
         return dict(
             tokens=np.zeros((b, t), np.int32), q_start=np.zeros(b, np.int32),
-            n_valid=np.zeros(b, np.int32), prompt_len=np.zeros(b, np.int32),
+            n_valid=np.zeros(b, np.int32),
             block_tables=np.full((b, self.pages_per_seq), DUMMY_PAGE, np.int32),
-            slot_ids=np.full(b, self.max_slots, np.int32), reset=np.zeros(b, bool),
-            emit=np.zeros(b, bool), suppress_ids=np.full((b, 4), self.cfg.vocab_size, np.int32),
-            sampling=[{} for _ in range(b)])
+            slot_ids=np.full(b, self.max_slots, np.int32), emit=np.zeros(b, bool),
+            suppress_ids=np.full((b, MAX_SUPPRESS_IDS), self.cfg.vocab_size, np.int32),
+            suppress_until=np.zeros(b, np.int32), sampling=[{} for _ in range(b)])
 
     # ------------------------------------------------------------------ execution
     def run(self, host: dict) -> StepOutput:
@@ -216,10 +230,10 @@ class Runner:
     def _device_input(self, host: dict) -> StepInput:
         return StepInput(
             tokens=jnp.asarray(host["tokens"]), q_start=jnp.asarray(host["q_start"]),
-            n_valid=jnp.asarray(host["n_valid"]), prompt_len=jnp.asarray(host["prompt_len"]),
-            block_tables=jnp.asarray(host["block_tables"]),
-            slot_ids=jnp.asarray(host["slot_ids"]), reset=jnp.asarray(host["reset"]),
-            emit=jnp.asarray(host["emit"]), suppress_ids=jnp.asarray(host["suppress_ids"]),
+            n_valid=jnp.asarray(host["n_valid"]), block_tables=jnp.asarray(host["block_tables"]),
+            slot_ids=jnp.asarray(host["slot_ids"]), emit=jnp.asarray(host["emit"]),
+            suppress_ids=jnp.asarray(host["suppress_ids"]),
+            suppress_until=jnp.asarray(host["suppress_until"]),
             sampling=sampling.SamplingArrays.from_lists(host["sampling"]))
 
     def run_verify(self, host: dict, draft_tokens, num_draft, draft_probs=None):
@@ -241,15 +255,24 @@ class Runner:
             src[i], dst[i] = s, d
         self.cache = _copy_pages(self.cache, jnp.asarray(src), jnp.asarray(dst))
 
-    def copy_sampler_rows(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """n > 1: a forked child takes its parent's prompt statistics (slot src -> dst)."""
-        if not pairs:
-            return
-        src = np.full(self.max_slots, self.max_slots, np.int32)
-        dst = np.full(self.max_slots, self.max_slots, np.int32)
-        for i, (s, d) in enumerate(pairs):
-            src[i], dst[i] = s, d
-        self.sstate = _copy_sampler_rows(self.sstate, jnp.asarray(src), jnp.asarray(dst))
+    def init_sampler_rows(self, rows: Sequence[tuple[int, Sequence[int], int]]) -> None:
+        """Fills the penalty rows of (re)admitted sequences from their tokens.
+
+        ``rows`` holds ``(slot, token_ids, num_prompt_tokens)``; a sequence admitted after a
+        prefix-cache hit or a preemption gets its whole prompt and every output it already
+        generated, however much of it the cache serves. Runs in groups of 4 (one shape).
+        """
+        m = self.pages_per_seq * self.page_size
+        for g in range(0, len(rows), 4):
+            slots = np.full(4, self.max_slots, np.int32)
+            ids = np.zeros((4, m), np.int32)
+            n_prompt = np.zeros(4, np.int32)
+            n_total = np.zeros(4, np.int32)
+            for i, (slot, tokens, num_prompt) in enumerate(rows[g:g + 4]):
+                slots[i], n_prompt[i], n_total[i] = slot, num_prompt, len(tokens)
+                ids[i, : len(tokens)] = tokens
+            self.sstate = _init_sampler_rows(self.sstate, jnp.asarray(slots), jnp.asarray(ids),
+                                             jnp.asarray(n_prompt), jnp.asarray(n_total))
 
     def warmup(self) -> None:
         """Compiles every bucket once (all rows padding: writes go to the dummy page)."""
@@ -258,9 +281,9 @@ class Runner:
         for b, c in self.prefill_buckets:
             jax.block_until_ready(self.run(self.empty_input(b, c)).tokens)
         self.copy_pages([(DUMMY_PAGE, DUMMY_PAGE)])
-        self.copy_sampler_rows([(self.max_slots, self.max_slots)])
+        self.init_sampler_rows([(self.max_slots, [0], 1)])
 
     def num_compilations(self) -> int:
         """Executables the jitted steps hold, process-wide (grows only for a new shape)."""
         return (_jit_step._cache_size() + _copy_pages._cache_size()
-                + _jit_verify._cache_size() + _copy_sampler_rows._cache_size())
+                + _jit_verify._cache_size() + _init_sampler_rows._cache_size())

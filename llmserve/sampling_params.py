@@ -3,7 +3,38 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
+import numbers
 from typing import Optional, Sequence, Union
+
+_SEED_MASK = 0x7FFFFFFF  # seeds are 31-bit: they fit a signed int32 and a uint32 alike
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a request seeded ``seed`` (n > 1), 31 bits.
+
+    ``child_seed(s, 0) == s & 0x7FFFFFFF``, so the first completion of an n > 1 request equals
+    the n = 1 request with the same seed. Other children take the first 4 bytes (little-endian)
+    of ``sha256(b"llmserve-child" + seed.to_bytes(8, "little") + index.to_bytes(8, "little"))``
+    masked to 31 bits: a stable mix, the same in every process, and unlike ``seed + index`` it
+    does not collide with the request seeded ``seed + 1``.
+    """
+    if index == 0:
+        return int(seed) & _SEED_MASK
+    data = (b"llmserve-child" + (int(seed) & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+            + int(index).to_bytes(8, "little"))
+    return int.from_bytes(hashlib.sha256(data).digest()[:4], "little") & _SEED_MASK
+
+
+def request_seed(engine_seed: int, request_id: str) -> int:
+    """The seed of an unseeded request: a stable 31-bit mix of the engine seed and request id.
+
+    Python's ``hash`` of a string is randomised per process; this is not, so ``LLM(seed=0)``
+    gives the same samples in every run.
+    """
+    data = f"llmserve-request\0{int(engine_seed)}\0{request_id}".encode("utf-8")
+    return int.from_bytes(hashlib.sha256(data).digest()[:4], "little") & _SEED_MASK
 
 
 @dataclasses.dataclass
@@ -35,43 +66,70 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise TypeError(f"SamplingParams.stop={self.stop!r}: must be a string or a list of "
+                            "strings")
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        ids = list(self.stop_token_ids or [])
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+            raise TypeError(f"SamplingParams.stop_token_ids={self.stop_token_ids!r}: must be a "
+                            "list of ints")
+        self.stop_token_ids = [int(t) for t in ids]
         self.validate()
 
     def validate(self) -> None:
-        """Raises ValueError naming the first invalid field."""
-        def bad(field, why):
-            raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
+        """Raises TypeError (wrong type) or ValueError (bad value) naming the first bad field."""
+        def bad(field, why, exc=ValueError):
+            raise exc(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def real(field):  # a finite real number (bool is not a number here)
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                bad(field, "must be a number", TypeError)
+            if not math.isfinite(v):
+                bad(field, "must be finite (not NaN or inf)")
+            return v
+
+        def integer(field, optional=False):
+            v = getattr(self, field)
+            if v is None and optional:
+                return None
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                bad(field, "must be an int", TypeError)
+            return v
+
+        if integer("n") < 1:
             bad("n", "must be an int >= 1")
-        if self.temperature < 0:
+        if real("temperature") < 0:
             bad("temperature", "must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < real("top_p") <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or (self.top_k < -1):
+        if integer("top_k") < -1:
             bad("top_k", "must be -1 (disabled), 0 (disabled) or a positive int")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not 0.0 <= real("min_p") <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
+        if not -2.0 <= real("presence_penalty") <= 2.0:
             bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
+        if not -2.0 <= real("frequency_penalty") <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
+        if real("repetition_penalty") <= 0:
             bad("repetition_penalty", "must be > 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 1):
+        max_tokens = integer("max_tokens", optional=True)
+        if max_tokens is not None and max_tokens < 1:
             bad("max_tokens", "must be an int >= 1")
-        if self.min_tokens < 0 or (self.max_tokens is not None
-                                   and self.min_tokens > self.max_tokens):
+        if integer("min_tokens") < 0 or (max_tokens is not None and self.min_tokens > max_tokens):
             bad("min_tokens", "must be in [0, max_tokens]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+        logprobs = integer("logprobs", optional=True)
+        if logprobs is not None and not 0 <= logprobs <= 20:
             bad("logprobs", "must be in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an int")
+        integer("seed", optional=True)
+        if any(not isinstance(s, str) for s in self.stop):
+            bad("stop", "must be a string or a list of strings", TypeError)
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
+        for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, field), bool):
+                bad(field, "must be a bool", TypeError)
 
     @property
     def greedy(self) -> bool:

@@ -50,6 +50,8 @@ class Sequence:
     logprobs: list = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    cache_salt: Optional[str] = None  # prefix-cache tenant: only equal salts share pages
+    admitted: bool = False  # set when (re)admitted; the engine clears it once it has seen it
 
     @property
     def all_ids(self) -> list[int]:
@@ -230,10 +232,10 @@ class Scheduler:
                 prefill.append(PrefillChunk(seq, seq.num_computed, 1))
                 budget -= 1
                 continue
-            if not self.blocks.can_allocate(seq.all_ids):
+            if not self.blocks.can_allocate(seq.all_ids, seq.cache_salt):
                 break
             self.waiting.popleft()
-            seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids)
+            seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids, seq.cache_salt)
             if seq.num_preemptions == 0:
                 seq.num_cached = seq.num_computed
             self._start(seq)
@@ -263,5 +265,6 @@ class Scheduler:
 
     def _start(self, seq: Sequence) -> None:
         seq.status = Status.RUNNING
+        seq.admitted = True
         seq.slot = self.free_slots.pop()
         self.running.append(seq)

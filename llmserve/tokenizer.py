@@ -78,6 +78,21 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
+def check_conversation(messages, where: str = "conversation") -> None:
+    """A conversation is a non-empty list of dicts, each with string ``role`` and ``content``."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise TypeError(f"{where}: a list of messages is needed, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError(f"{where} is empty: it needs at least one message")
+    for m, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise TypeError(f"{where}, message {m}: a message is a dict, got "
+                            f"{type(msg).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(msg.get(key), str):
+                raise ValueError(f"{where}, message {m}: missing or non-string {key!r}")
+
+
 class Tokenizer:
     """Text <-> token ids, plus the model's chat template and stop tokens.
 
@@ -238,7 +253,12 @@ class Tokenizer:
     # ------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True, **kwargs) -> str:
-        """Renders a conversation with the model's chat template (as transformers does)."""
+        """Renders a conversation with the model's chat template (as transformers does).
+
+        Raises ValueError/TypeError for an empty conversation or a message without a string
+        ``role`` and ``content`` (instead of a template error deep inside jinja).
+        """
+        check_conversation(messages)
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if self._template is None:
