@@ -71,6 +71,15 @@ class EngineConfig:
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"EngineConfig.scheduling={self.scheduling!r}: use 'continuous' "
                              "or 'static'")
+        pages_per_seq = -(-self.max_model_len // self.page_size)
+        if self.num_pages is not None and self.num_pages < pages_per_seq + 1:
+            raise ValueError(
+                f"KV cache of {self.num_pages} pages cannot hold one sequence of max_model_len="
+                f"{self.max_model_len} ({pages_per_seq} pages of {self.page_size} + 1 dummy)")
+        if self.speculative_config is not None:
+            from llmserve.speculative import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)
         given = [k for k in ("num_pages", "kv_cache_memory", "gpu_memory_utilization")
                  if getattr(self, k) is not None]
         if len(given) > 1:
@@ -268,16 +277,12 @@ class Engine:
             raise TypeError("prompt token ids must be ints")
         return None, [int(t) for t in prompt]
 
-    def add_request(self, request_id: Optional[str], prompt: Union[str, Sequence[int], dict],
-                    params: Optional[SamplingParams] = None,
-                    cache_salt: Optional[str] = None) -> str:
-        """Validates and queues a request; raises ValueError (nothing queued) on bad input.
+    def check_request(self, prompt, params: SamplingParams, cache_salt: Optional[str] = None
+                      ) -> tuple[Optional[str], list[int], Optional[str]]:
+        """Validates a request without queuing it; returns (text, token ids, cache salt).
 
-        ``prompt`` is a string, a list of token ids, or vLLM's dict form (``{"prompt": ...}``
-        or ``{"prompt_token_ids": ...}``, optionally with ``"cache_salt"``). Requests with
-        different ``cache_salt`` never share prefix-cache pages (tenant isolation).
+        Raises TypeError/ValueError naming the problem; ``add_request`` runs exactly this.
         """
-        params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -285,22 +290,16 @@ class Engine:
             cache_salt = prompt["cache_salt"]
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        if request_id is None:
-            request_id = str(self._counter)
-        request_id = str(request_id)
-        self._counter += 1
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
         if not ids:
-            raise ValueError(f"request {request_id}: empty prompt")
+            raise ValueError("empty prompt")
         bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise ValueError(f"request {request_id}: token id {bad[0]} is out of range "
+            raise ValueError(f"token id {bad[0]} is out of range "
                              f"[0, {self.cfg.vocab_size})")
         limit = self.config.max_model_len
         if len(ids) >= limit:
-            raise ValueError(f"request {request_id}: prompt of {len(ids)} tokens does not fit "
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit "
                              f"max_model_len={limit} (at least one new token is needed)")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the engine's "
@@ -315,6 +314,23 @@ class Engine:
         if params.min_tokens > 0 and n_stop_ids > MAX_SUPPRESS_IDS:
             raise ValueError(f"SamplingParams.min_tokens needs to ban {n_stop_ids} stop ids; "
                              f"at most {MAX_SUPPRESS_IDS} are supported")
+        return text, ids, cache_salt
+
+    def add_request(self, request_id: Optional[str], prompt: Union[str, Sequence[int], dict],
+                    params: Optional[SamplingParams] = None,
+                    cache_salt: Optional[str] = None) -> str:
+        """Validates and queues a request; raises ValueError (nothing queued) on bad input.
+
+        ``prompt`` is a string, a list of token ids, or vLLM's dict form (``{"prompt": ...}``
+        or ``{"prompt_token_ids": ...}``, optionally with ``"cache_salt"``). Requests with
+        different ``cache_salt`` never share prefix-cache pages (tenant isolation).
+        """
+        params = params or SamplingParams()
+        request_id = str(self._counter) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids, cache_salt = self.check_request(prompt, params, cache_salt)
+        self._counter += 1
         base_seed = params.seed if params.seed is not None else request_seed(
             self.config.seed, request_id)
         seqs = []

@@ -99,20 +99,10 @@ class LLM:
         engine = self.engine
         # Validate everything first so a bad prompt leaves no request behind.
         for p, sp in zip(prompts, params_list):
-            sp.validate()
-            _, toks = engine._tokenize(p)
-            if not toks:
-                raise ValueError("empty prompt")
-        ids = []
+            engine.check_request(p, sp)
         base = engine._counter
-        try:
-            for i, (p, sp) in enumerate(zip(prompts, params_list)):
-                ids.append(engine.add_request(f"gen-{base}-{i}", p, sp))
-        except ValueError:
-            for rid in ids:
-                engine.abort(rid)
-            raise
-        return ids
+        return [engine.add_request(f"gen-{base}-{i}", p, sp)
+                for i, (p, sp) in enumerate(zip(prompts, params_list))]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm

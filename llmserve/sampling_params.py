@@ -123,10 +123,15 @@ class SamplingParams:
         if logprobs is not None and not 0 <= logprobs <= 20:
             bad("logprobs", "must be in [0, 20]")
         integer("seed", optional=True)
-        if any(not isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str)
+                                                           for s in self.stop):
             bad("stop", "must be a string or a list of strings", TypeError)
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, numbers.Integral)
+                for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of ints", TypeError)
         for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be a bool", TypeError)
