@@ -20,7 +20,7 @@ import numpy as np
 from llmserve.block_manager import BlockManager
 from llmserve.config import ModelConfig
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from llmserve.runner import MAX_SUPPRESS_IDS, Runner
+from llmserve.runner import MAX_SUPPRESS_IDS, Runner, ScheduledRow, padded_verify_rows, part_arrays
 from llmserve.sampling_params import SamplingParams, child_seed, request_seed
 from llmserve.scheduler import Plan, Scheduler
 from llmserve.scheduler import Sequence as Seq
@@ -235,23 +235,20 @@ class Engine:
         self.runner.warmup()
         if self.spec is None:
             return
-        k = self.spec.num_speculative_tokens
         for b in self.runner.decode_buckets:
             for attempt in range(2):  # only the second run is timed: the first compiles
                 t0 = time.perf_counter()
-                jax.block_until_ready(self.runner.run(self.runner.empty_input(b, 1)).tokens)
+                jax.block_until_ready(self.runner.run(self.runner.empty_batch((b, None))).tokens)
                 t_decode = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                host = self.runner.empty_input(b, k + 1)
-                out = self._verify_rows(host, [], b)
+                out = self._verify_rows([], b)
                 jax.block_until_ready(out.out_tokens)
                 if attempt == 1:
                     self.policy.time("decode", b, t_decode)
                     self.policy.time("verify", b, time.perf_counter() - t0)
         if hasattr(self.proposer, "prefill"):
-            for b, c in self.runner.prefill_buckets:
-                host = self.runner.empty_input(b, c)
-                self.proposer.prefill(*self._draft_prefill_args(host))
+            for bucket in self.runner.prefill_buckets:
+                self._mirror_prefill(self.runner.empty_batch((0, bucket)), 0)
 
     def _tokenize(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
@@ -387,15 +384,26 @@ class Engine:
         if self.spec is not None and plan.copies and hasattr(self.proposer, "copy_pages"):
             src, dst = zip(*plan.copies)
             self.proposer.copy_pages(jax.numpy.asarray(src), jax.numpy.asarray(dst))
-        outs = []
+        prefill = [self._row(c.seq, c.start, c.seq.all_ids[c.start:c.start + c.length],
+                             c.final) for c in plan.prefill]
+        self._note_prefill(plan)
         t0 = time.perf_counter()
         if plan.decode and lookahead:
-            outs.append(("verify", plan.decode, self._run_verify(plan)))
-        elif plan.decode:
-            outs.append(("decode", plan.decode, self._run_decode(plan)))
-        if plan.prefill:
-            outs.append(("prefill", plan.prefill, self._run_prefill(plan)))
-        fetched = jax.device_get([o[2] for o in outs])  # one transfer for the whole step
+            # A verify step is its own call until speculation moves into the unified step.
+            result = self._run_verify(plan)
+            outs = [("verify", plan.decode, 0)]
+            if prefill:
+                result = (result, self._run_step([], prefill))
+                outs.append(("prefill", plan.prefill, 0))
+        else:
+            decode = [self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
+                      for seq in plan.decode]
+            result = self._run_step(decode, prefill)  # ONE call: decode rows + prefill chunks
+            offset = self.runner.decode_bucket(len(decode)) if decode else 0
+            outs = [("decode", plan.decode, 0), ("prefill", plan.prefill, offset)]
+        fetched = jax.device_get(result)  # one transfer for the whole step
+        if not isinstance(fetched, tuple):
+            fetched = (fetched, fetched)
         if self.spec is not None and plan.decode:
             elapsed = time.perf_counter() - t0
             key = "spec_verify_time_s" if lookahead else "spec_decode_time_s"
@@ -404,7 +412,7 @@ class Engine:
                 self.policy.time("verify" if lookahead else "decode",
                                  self.runner.decode_bucket(len(plan.decode)), elapsed)
         touched: dict[str, _Request] = {}
-        for (kind, rows, _), res in zip(outs, fetched):
+        for (kind, rows, offset), res in zip(outs, fetched):
             if kind == "verify":
                 for i, seq in enumerate(rows):
                     self._accept_verified(seq, res, i)
@@ -421,7 +429,7 @@ class Engine:
                     emit = row.final
                 self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_computed)
                 if emit and not seq.finished:
-                    self._append_token(seq, res, i)
+                    self._append_token(seq, res, offset + i)
                 touched[seq.request_id] = self.requests.get(seq.request_id)
         self.stats["steps"] += 1
         return aborted + [self._output(r) for r in touched.values() if r is not None]
@@ -439,35 +447,46 @@ class Engine:
                     rows.append((seq.slot, seq.all_ids, len(seq.prompt_ids)))
         self.runner.init_sampler_rows(rows)
 
-    def _fill_row(self, host: dict, i: int, seq: Seq, start: int, tokens: list[int],
-                  emit: bool) -> None:
-        n = len(tokens)
-        host["tokens"][i, :n] = tokens
-        host["q_start"][i] = start
-        host["n_valid"][i] = n
-        table = self.blocks.block_table(seq.seq_id)
-        host["block_tables"][i, : len(table)] = table
-        host["slot_ids"][i] = seq.slot
-        host["emit"][i] = emit
+    def _row(self, seq: Seq, start: int, tokens: list[int], emit: bool) -> ScheduledRow:
+        """A sequence's row of this step, in the runner's terms."""
         p = seq.params
-        host["sampling"][i] = dict(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty, seed=seq.seed)
+        row = ScheduledRow(
+            tokens=tokens, start=start, block_table=self.blocks.block_table(seq.seq_id),
+            slot=seq.slot, emit=emit, sampling=dict(
+                temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                repetition_penalty=p.repetition_penalty, seed=seq.seed))
         if len(seq.output_ids) < p.min_tokens:
-            banned = sorted(self._stop_ids(seq))
-            host["suppress_ids"][i, : len(banned)] = banned
-            host["suppress_until"][i] = p.min_tokens - len(seq.output_ids)
+            row.suppress_ids = sorted(self._stop_ids(seq))
+            row.suppress_until = p.min_tokens - len(seq.output_ids)
+        return row
 
-    def _run_decode(self, plan: Plan):
-        b = self.runner.decode_bucket(len(plan.decode))
-        host = self.runner.empty_input(b, 1)
-        for i, seq in enumerate(plan.decode):
-            self._fill_row(host, i, seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
-        self.stats["decode_rows"] += len(plan.decode)
-        self.stats["decode_slots"] += b
-        self.stats["max_decode_rows"] = max(self.stats.get("max_decode_rows", 0), len(plan.decode))
-        return self.runner.run(host)
+    def _run_step(self, decode: list[ScheduledRow], prefill: list[ScheduledRow]):
+        batch = self.runner.prepare(decode, prefill)
+        if decode:
+            b = self.runner.decode_bucket(len(decode))
+            self.stats["decode_rows"] += len(decode)
+            self.stats["decode_slots"] += b
+            self.stats["max_decode_rows"] = max(self.stats.get("max_decode_rows", 0),
+                                                len(decode))
+        if prefill:
+            part = batch.parts[-1]
+            self.stats["prefill_tokens"] += sum(len(r.tokens) for r in prefill)
+            self.stats["prefill_slots"] += part.block_tables.shape[0] * part.t
+            if self.spec is not None and hasattr(self.proposer, "prefill"):
+                self._mirror_prefill(batch, len(batch.parts) - 1)
+        return self.runner.run(batch)
+
+    def _mirror_prefill(self, batch, part: int) -> None:
+        """The draft model writes the same prompt chunks into its own cache."""
+        self.proposer.prefill(*(jax.numpy.asarray(a) for a in part_arrays(batch, part)))
+
+    def _note_prefill(self, plan: Plan) -> None:
+        now = time.time()
+        for c in plan.prefill:
+            req = self.requests.get(c.seq.request_id)
+            if req is not None and req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
 
     def _lookahead(self) -> int:
         """K when this step should verify drafts (see SpeculationPolicy), else 0."""
@@ -483,17 +502,13 @@ class Engine:
             [s.seq_id for s in rows], bucket) else 0
 
     def _run_verify(self, plan: Plan):
-        k = self.spec.num_speculative_tokens
         b = self.runner.decode_bucket(len(plan.decode))
-        host = self.runner.empty_input(b, k + 1)
-        for i, seq in enumerate(plan.decode):
-            self._fill_row(host, i, seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
         self.stats["decode_rows"] += len(plan.decode)
         self.stats["decode_slots"] += b
-        return self._verify_rows(host, plan.decode, b)
+        return self._verify_rows(plan.decode, b)
 
-    def _verify_rows(self, host: dict, seqs: list, b: int):
-        """Proposes drafts for the rows of ``host`` (tokens [b, K+1]) and runs verify."""
+    def _verify_rows(self, seqs: list, b: int):
+        """Proposes up to R drafts for each sequence and runs one verify step [b, 1 + R]."""
         from llmserve.speculative import ProposeInput
 
         k = self.spec.num_speculative_tokens
@@ -505,8 +520,16 @@ class Engine:
             drafts, num = self.proposer.propose_batch([s.all_ids for s in seqs] or [[0]], k)
             drafts = np.pad(drafts, ((0, b - len(drafts)), (0, 0)))[:b]
             num = np.minimum(np.pad(num, (0, b - len(num)))[:b], room)
-            probs = None
         else:
+            num = room
+        rows = [self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True) for seq in seqs]
+        if rows:
+            batch = self.runner.prepare(padded_verify_rows(rows, num, k + 1),
+                                        decode_width=k + 1)
+        else:  # warm-up: every row padding, in the verify shape
+            batch = self.runner.empty_batch((b, None), decode_width=k + 1)
+        probs = None
+        if self.spec.method == "draft":
             tail = np.zeros((b, 2), np.int32)
             q_start = np.zeros(b, np.int32)
             n_valid = np.zeros(b, np.int32)
@@ -516,20 +539,15 @@ class Engine:
                 tail[i, :n] = ids[len(ids) - n:]
                 q_start[i] = len(ids) - n
                 n_valid[i] = n
-            sampling_arrays = self.runner._device_input(host).sampling
+            (part,) = batch.parts
             proposal = self.proposer.propose(ProposeInput(
                 token_ids=[], tail=jax.numpy.asarray(tail), q_start=jax.numpy.asarray(q_start),
                 n_valid=jax.numpy.asarray(n_valid),
-                block_tables=jax.numpy.asarray(host["block_tables"]), sampling=sampling_arrays))
+                block_tables=jax.numpy.asarray(part.block_tables),
+                sampling=jax.device_put(batch.sampling)))
             drafts, probs = proposal.tokens, proposal.probs
-            num = room
         self._num_draft = num  # host copy: how many drafts each row carried this step
-        host["tokens"][:, 1:] = np.asarray(drafts) if self.spec.method == "ngram" else 0
-        host["n_valid"][: len(seqs)] = 1 + num[: len(seqs)]
-        if self.spec.method == "draft":
-            tokens = jax.numpy.asarray(host["tokens"]).at[:, 1:].set(drafts)
-            host = dict(host, tokens=tokens)
-        return self.runner.run_verify(host, drafts, num, probs)
+        return self.runner.run_verify(batch, drafts, num, probs)
 
     def _accept_verified(self, seq: Seq, res, i: int) -> None:
         """Appends the accepted drafts and the target's token; rolls back the rest."""
@@ -562,28 +580,6 @@ class Engine:
 
     def _last_num_draft(self, seq: Seq, res, i: int) -> int:
         return int(self._num_draft[i])
-
-    def _draft_prefill_args(self, host: dict):
-        jnp_ = jax.numpy
-        return (jnp_.asarray(host["tokens"]), jnp_.asarray(host["q_start"]),
-                jnp_.asarray(host["n_valid"]), jnp_.asarray(host["block_tables"]))
-
-    def _run_prefill(self, plan: Plan):
-        longest = max(c.length for c in plan.prefill)
-        b, t = self.runner.prefill_bucket(len(plan.prefill), longest)
-        host = self.runner.empty_input(b, t)
-        for i, c in enumerate(plan.prefill):
-            ids = c.seq.all_ids[c.start: c.start + c.length]
-            self._fill_row(host, i, c.seq, c.start, ids, c.final)
-            now = time.time()
-            req = self.requests.get(c.seq.request_id)
-            if req is not None and req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-        self.stats["prefill_tokens"] += sum(c.length for c in plan.prefill)
-        self.stats["prefill_slots"] += b * t
-        if self.spec is not None and hasattr(self.proposer, "prefill"):
-            self.proposer.prefill(*self._draft_prefill_args(host))  # mirror into the draft
-        return self.runner.run(host)
 
     def _stop_ids(self, seq: Seq) -> set:
         ids = set(seq.params.stop_token_ids)

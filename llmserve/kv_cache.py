@@ -52,6 +52,31 @@ class AttentionMetadata:
 
 
 @flax.struct.dataclass
+class PartMetadata:
+    """One rectangular part [B, t] of a step's flat tokens (decode, prefill chunks, verify).
+
+    Row b's tokens sit at ``q_start[b] + i`` for i < ``lengths[b] - q_start[b]``; the rest of
+    its t tokens are padding. Padding rows have ``lengths == q_start == 0``.
+    """
+
+    q_start: Array  # [B] int32
+    lengths: Array  # [B] int32: valid kv length after this step's tokens are written
+    block_tables: Array  # [B, pages_per_seq] int32
+    t: int = flax.struct.field(pytree_node=False)  # tokens per row (static: part of the shape)
+
+
+@flax.struct.dataclass
+class RaggedMetadata:
+    """A step's flat tokens [N] (batch dim 1): its parts in order, and where each token's K/V
+    is written (computed on the host from the block tables; padding goes to the dummy page)."""
+
+    positions: Array  # [1, N] int32: absolute positions (RoPE)
+    write_page: Array  # [N] int32
+    write_offset: Array  # [N] int32
+    parts: tuple  # PartMetadata, in flat order
+
+
+@flax.struct.dataclass
 class DenseKVCache:
     """Contiguous per-layer K/V buffers."""
 
@@ -115,6 +140,8 @@ class PagedKVCache:
     def update_and_attend(self, layer: int, q: Array, k: Array, v: Array,
                           meta: AttentionMetadata, backend: str):
         """Writes k/v [B, T, K, H] into their pages, then runs paged attention for q."""
+        if isinstance(meta, RaggedMetadata):
+            return self._update_and_attend_ragged(layer, q, k, v, meta, backend)
         page, offset = self.slot_indices(meta)
         kc = self.k[layer].at[:, page, offset].set(
             jnp.moveaxis(k, 2, 0).astype(self.k[layer].dtype))
@@ -122,6 +149,27 @@ class PagedKVCache:
             jnp.moveaxis(v, 2, 0).astype(self.v[layer].dtype))
         out = attn_ops.paged_attention(q, kc, vc, meta.block_tables, meta.q_start, meta.lengths,
                                        backend=backend)
+        new_k = self.k[:layer] + (kc,) + self.k[layer + 1:]
+        new_v = self.v[:layer] + (vc,) + self.v[layer + 1:]
+        return out, self.replace(k=new_k, v=new_v)
+
+    def _update_and_attend_ragged(self, layer: int, q: Array, k: Array, v: Array,
+                                  meta: RaggedMetadata, backend: str):
+        """Flat tokens: q [1, N, N_heads, H], k/v [1, N, K, H]. One scatter writes every
+        token's K/V; then each part attends as a [B, t] batch through the paged kernel."""
+        kc = self.k[layer].at[:, meta.write_page, meta.write_offset].set(
+            jnp.moveaxis(k[0], 1, 0).astype(self.k[layer].dtype))
+        vc = self.v[layer].at[:, meta.write_page, meta.write_offset].set(
+            jnp.moveaxis(v[0], 1, 0).astype(self.v[layer].dtype))
+        outs, off = [], 0
+        for part in meta.parts:
+            b, t = part.block_tables.shape[0], part.t
+            qp = q[0, off:off + b * t].reshape(b, t, *q.shape[2:])
+            out = attn_ops.paged_attention(qp, kc, vc, part.block_tables, part.q_start,
+                                           part.lengths, backend=backend)
+            outs.append(out.reshape(b * t, *q.shape[2:]))
+            off += b * t
+        out = jnp.concatenate(outs)[None] if len(outs) > 1 else outs[0][None]
         new_k = self.k[:layer] + (kc,) + self.k[layer + 1:]
         new_v = self.v[:layer] + (vc,) + self.v[layer + 1:]
         return out, self.replace(k=new_k, v=new_v)

@@ -131,8 +131,9 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """The decoder: tokens [B, T] -> logits [B, T, V] (float32), cache in and out.
 
-    ``logits_index`` [B] (optional) selects one position per sequence, so prefill returns
-    logits [B, 1, V] for the last prompt token instead of projecting every position.
+    ``logits_index`` (optional) selects positions before the vocabulary projection: [B] picks
+    one per sequence (logits [B, 1, V], e.g. a prompt's last token), [B, R] picks R (a step's
+    sampled rows over its flat tokens: logits [B, R, V]).
     """
 
     cfg: ModelConfig
@@ -148,7 +149,8 @@ class Transformer(nn.Module):
         for i in range(cfg.n_layers):
             x, cache = Block(cfg, i, name=f"layers_{i}")(x, meta, cache, backend)
         if logits_index is not None:
-            x = jnp.take_along_axis(x, logits_index[:, None, None].astype(jnp.int32), axis=1)
+            index = logits_index if logits_index.ndim == 2 else logits_index[:, None]
+            x = jnp.take_along_axis(x, index[:, :, None].astype(jnp.int32), axis=1)
         x = RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
             logits = embed.attend(x)

@@ -1,15 +1,25 @@
-"""The device side: one jitted, fixed-shape step for prefill chunks and decode.
+"""The device side: ONE jitted, fixed-shape step for everything scheduled together.
 
-``step`` runs the model over ``tokens [B, T]`` (decode: T = 1; prefill: T = a chunk bucket),
-writes their K/V into the paged cache, and samples one token per row. The cache and the sampler
-state are donated and updated in place. Shapes come from a small set of buckets, compiled once
-at warm-up; which rows are live is an array (``n_valid`` > 0), never a Python branch.
+A step's tokens are one flat vector ``[N]`` made of rectangular *parts*: the decode part
+``[Bd, 1]`` (one token per running sequence) and the prefill part ``[Bp, C]`` (prompt chunks);
+a verify step is one part ``[Bv, 1 + R]``. Every weight matmul runs once over the flat tokens,
+so the weights are read once per step; attention splits them back into their parts and runs
+the paged kernel per part (the idea of tpu-inference's ragged attention, split by shape).
+Cost follows the real work through a small set of buckets: ``(Bd, Bp, C)`` with ``Bd = 0`` or
+``Bp = 0`` when a part is absent, all compiled at warm-up. Which rows are live is data
+(``lengths``), never a Python branch; padding tokens write to the dummy page.
+
+The host side of a step is a typed ``StepInput`` of numpy arrays built by ``prepare``; it moves
+to the device in one ``device_put``. The cache and the sampler state are donated and updated in
+place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Sequence
+import itertools
+from typing import Optional, Sequence
 
 import flax.struct
 import jax
@@ -18,7 +28,7 @@ import numpy as np
 
 from llmserve import sampling
 from llmserve.config import ModelConfig
-from llmserve.kv_cache import DUMMY_PAGE, AttentionMetadata, PagedKVCache
+from llmserve.kv_cache import DUMMY_PAGE, PagedKVCache, PartMetadata, RaggedMetadata
 from llmserve.model import Transformer
 
 Array = jax.Array
@@ -39,62 +49,87 @@ class SamplerState:
                    prompt_mask=jnp.zeros((max_slots + 1, vocab_size), bool))
 
 
+@dataclasses.dataclass
+class ScheduledRow:
+    """One row of a step, as the engine hands it to ``Runner.prepare`` (host, plain Python)."""
+
+    tokens: Sequence[int]  # the row's real tokens (decode: 1; prefill: a chunk; verify: 1)
+    start: int  # position of tokens[0]
+    block_table: Sequence[int]  # the sequence's pages
+    slot: int  # its sampler-state row
+    emit: bool  # the sampled token is kept (decode, verify, or a final prefill chunk)
+    sampling: dict  # SamplingArrays fields (temperature, top_k, ..., seed)
+    suppress_ids: Sequence[int] = ()  # stop ids banned while min_tokens is not reached
+    suppress_until: int = 0  # ... for this many sampled positions
+
+
 @flax.struct.dataclass
 class StepInput:
-    """Everything one step needs; filled on the host by the scheduler."""
+    """Everything one step needs (numpy on the host, jax arrays on the device).
 
-    tokens: Array  # [B, T] int32
-    q_start: Array  # [B] int32: position of tokens[:, 0]
-    n_valid: Array  # [B] int32: real tokens in the row (0 = padding row)
-    block_tables: Array  # [B, M] int32
-    slot_ids: Array  # [B] int32: row in SamplerState (max_slots for padding rows)
-    emit: Array  # [B] bool: the sampled token is kept (final prefill chunk, or decode)
-    suppress_ids: Array  # [B, E] int32: token ids banned (min_tokens not reached); V = none
-    suppress_until: Array  # [B] int32: the ban holds for the first this-many sampled positions
-    sampling: sampling.SamplingArrays  # [B] per-row parameters
+    N flat tokens; R sampled rows (the rows of every part, in part order).
+    """
+
+    tokens: Array  # [N] int32
+    positions: Array  # [N] int32: each token's absolute position (RoPE)
+    write_page: Array  # [N] int32: page its K/V goes to (dummy page 0 for padding)
+    write_offset: Array  # [N] int32: offset in that page
+    parts: tuple  # PartMetadata per part: q_start [B], lengths [B], block_tables [B, M]
+    sample_index: Array  # [R] int32: flat index of the token whose logits row r samples from
+    sample_pos: Array  # [R] int32: position the sampled token will take (its random key)
+    slot_ids: Array  # [R] int32: row in SamplerState (max_slots for padding rows)
+    emit: Array  # [R] bool: the sampled token is kept
+    suppress_ids: Array  # [R, E] int32: token ids banned (min_tokens not reached); V = none
+    suppress_until: Array  # [R] int32: the ban holds for this many sampled positions
+    sampling: sampling.SamplingArrays  # [R] per-row parameters
+
+    @property
+    def shape(self) -> tuple:
+        """The step's bucket: ((rows, tokens per row) per part)."""
+        return tuple((p.block_tables.shape[0], p.t) for p in self.parts)
+
+    def metadata(self) -> RaggedMetadata:
+        return RaggedMetadata(positions=self.positions[None], write_page=self.write_page,
+                              write_offset=self.write_offset, parts=self.parts)
 
 
 @flax.struct.dataclass
 class StepOutput:
-    tokens: Array  # [B] int32
-    logprobs: Array  # [B] float32
-    top_ids: Array  # [B, n] int32
-    top_logprobs: Array  # [B, n] float32
-
-
-def _metadata(inp: StepInput) -> AttentionMetadata:
-    """Row b's tokens sit at q_start[b] + t; the first n_valid[b] of them are real."""
-    t = inp.tokens.shape[1]
-    ar = jnp.arange(t, dtype=jnp.int32)
-    return AttentionMetadata(positions=inp.q_start[:, None] + ar[None, :], q_start=inp.q_start,
-                             lengths=inp.q_start + inp.n_valid,
-                             token_mask=ar[None, :] < inp.n_valid[:, None],
-                             block_tables=inp.block_tables)
+    tokens: Array  # [R] int32
+    logprobs: Array  # [R] float32
+    top_ids: Array  # [R, n] int32
+    top_logprobs: Array  # [R, n] float32
 
 
 def suppress(logits: Array, inp: StepInput) -> Array:
-    """logits [B, T, V]: bans ``suppress_ids`` at sampled positions t < ``suppress_until``."""
-    b, t, _ = logits.shape
-    active = jnp.arange(t)[None, :] < inp.suppress_until[:, None]  # [B, T]
-    ids = jnp.where(active[:, :, None], inp.suppress_ids[:, None, :], logits.shape[-1])
-    return logits.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], ids].set(
+    """logits [R, T, V]: bans ``suppress_ids`` at sampled positions t < ``suppress_until``."""
+    r, t, v = logits.shape
+    active = jnp.arange(t)[None, :] < inp.suppress_until[:, None]  # [R, T]
+    ids = jnp.where(active[:, :, None], inp.suppress_ids[:, None, :], v)
+    return logits.at[jnp.arange(r)[:, None, None], jnp.arange(t)[None, :, None], ids].set(
         -jnp.inf, mode="drop")
+
+
+def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, backend: str,
+            logits_index: Optional[Array] = None):
+    """The model over a step's flat tokens -> (logits [R, V] at ``logits_index``, default
+    ``sample_index``; cache)."""
+    index = inp.sample_index if logits_index is None else logits_index
+    logits, cache = Transformer(cfg).apply({"params": params}, inp.tokens[None],
+                                           inp.metadata(), cache, backend=backend,
+                                           logits_index=index[None])
+    return logits[0], cache
 
 
 def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput, *,
           cfg: ModelConfig, backend: str, num_logprobs: int):
-    meta = _metadata(inp)
-    last = jnp.maximum(inp.n_valid - 1, 0)
-    logits, cache = Transformer(cfg).apply({"params": params}, inp.tokens, meta, cache,
-                                           backend=backend, logits_index=last)
-    logits = suppress(logits, inp)[:, 0]  # [B, V]
-
+    logits, cache = forward(params, cache, inp, cfg=cfg, backend=backend)
+    logits = suppress(logits[:, None], inp)[:, 0]  # [R, V]
     # A sequence's sampler row was filled from its tokens when it was (re)admitted
     # (``init_sampler_rows``); each step only adds the tokens it emits.
     counts = sstate.counts[inp.slot_ids]
     pmask = sstate.prompt_mask[inp.slot_ids]
-    new_pos = inp.q_start + inp.n_valid  # where the sampled token will sit
-    out = sampling.sample(logits, inp.sampling, new_pos, counts, pmask,
+    out = sampling.sample(logits, inp.sampling, inp.sample_pos, counts, pmask,
                           num_logprobs=num_logprobs)
     counts = sampling.update_counts(counts, out.tokens, inp.emit)
     sstate = sstate.replace(counts=sstate.counts.at[inp.slot_ids].set(counts))
@@ -106,23 +141,27 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput, *,
 def _verify_step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
                  draft_tokens: Array, num_draft: Array, draft_probs, *, cfg: ModelConfig,
                  backend: str):
-    """Speculative verify: tokens [B, K+1] = [last committed, draft_0..draft_{K-1}].
+    """Speculative verify over one part [B, 1 + R]: [last committed token, R drafts] per row.
 
-    One forward over all K+1 positions writes their K/V and scores them; the pure verifier then
-    keeps the longest accepted prefix plus one target token. K/V written for rejected drafts is
-    never read: attention stops at each sequence's length, and the next step overwrites it.
+    The drafts (from the host or straight from the draft model's device output) enter the
+    tokens here, inside the jit. One forward over all 1 + R positions writes their K/V and
+    scores them; the pure verifier keeps the longest accepted prefix plus one target token.
+    K/V written for rejected drafts is never read: attention stops at each sequence's length,
+    and the next step overwrites it.
     """
     from llmserve import speculative
 
-    b, t = inp.tokens.shape
-    meta = _metadata(inp)
-    logits, cache = Transformer(cfg).apply({"params": params}, inp.tokens, meta, cache,
-                                           backend=backend)  # [B, K+1, V]
+    (part,) = inp.parts
+    b, t = part.block_tables.shape[0], part.t
+    tokens = inp.tokens.reshape(b, t).at[:, 1:].set(draft_tokens.astype(jnp.int32))
+    inp = inp.replace(tokens=tokens.reshape(-1))
+    logits, cache = forward(params, cache, inp, cfg=cfg, backend=backend,
+                            logits_index=jnp.arange(b * t))
+    logits = suppress(logits.reshape(b, t, -1), inp)  # [B, 1 + R, V]
     rows = jnp.arange(b)[:, None]
     counts = sstate.counts[inp.slot_ids]
     pmask = sstate.prompt_mask[inp.slot_ids]
-    logits = suppress(logits, inp)  # min_tokens: only positions still under it
-    out = speculative.verify(draft_tokens, draft_probs, logits, inp.sampling, inp.q_start + 1,
+    out = speculative.verify(draft_tokens, draft_probs, logits, inp.sampling, part.q_start + 1,
                              counts, pmask, num_draft=num_draft)
     emitted = (out.out_tokens >= 0) & inp.emit[:, None]
     counts = counts.at[rows, jnp.maximum(out.out_tokens, 0)].add(emitted.astype(jnp.int32))
@@ -130,8 +169,13 @@ def _verify_step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInp
     return out, cache, sstate
 
 
+# Module-level jits with static config: every Runner of the same model and shapes shares one
+# compile cache (tests build many engines; a server builds one).
+_jit_step = jax.jit(_step, static_argnames=("cfg", "backend", "num_logprobs"),
+                    donate_argnames=("cache", "sstate"))
 _jit_verify = jax.jit(_verify_step, static_argnames=("cfg", "backend"),
                       donate_argnames=("cache", "sstate"))
+
 
 @functools.partial(jax.jit, donate_argnames=("sstate",))
 def _init_sampler_rows(sstate: SamplerState, slots: Array, ids: Array, n_prompt: Array,
@@ -152,19 +196,13 @@ def _init_sampler_rows(sstate: SamplerState, slots: Array, ids: Array, n_prompt:
                         prompt_mask=sstate.prompt_mask.at[slots].set(pmask))
 
 
-# Module-level jits with static config: every Runner of the same model and shapes shares one
-# compile cache (tests build many engines; a server builds one).
-_jit_step = jax.jit(_step, static_argnames=("cfg", "backend", "num_logprobs"),
-                    donate_argnames=("cache", "sstate"))
-
-
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _copy_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
     return cache.copy_pages(src, dst)
 
 
 class Runner:
-    """Owns the device state (params, paged cache, sampler state) and the compiled steps."""
+    """Owns the device state (params, paged cache, sampler state) and the compiled step."""
 
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
                  max_slots: int, max_model_len: int, backend: str, num_logprobs: int = 0,
@@ -208,37 +246,99 @@ class Runner:
     def max_chunk(self) -> int:
         return max(c for _, c in self.prefill_buckets)
 
-    def empty_input(self, b: int, t: int) -> dict:
-        """Host arrays for a [b, t] step with every row padding."""
-        return dict(
-            tokens=np.zeros((b, t), np.int32), q_start=np.zeros(b, np.int32),
-            n_valid=np.zeros(b, np.int32),
-            block_tables=np.full((b, self.pages_per_seq), DUMMY_PAGE, np.int32),
-            slot_ids=np.full(b, self.max_slots, np.int32), emit=np.zeros(b, bool),
-            suppress_ids=np.full((b, MAX_SUPPRESS_IDS), self.cfg.vocab_size, np.int32),
-            suppress_until=np.zeros(b, np.int32), sampling=[{} for _ in range(b)])
+    def step_shapes(self) -> list[tuple]:
+        """Every (decode rows, (prefill rows, chunk)) shape a step can take: all compiled at
+        warm-up, so serving never compiles."""
+        decode = [0] + list(self.decode_buckets)
+        prefill = [None] + list(self.prefill_buckets)
+        return [(d, p) for d, p in itertools.product(decode, prefill) if d or p]
+
+    # ------------------------------------------------------------------ host batch
+    def prepare(self, decode: Sequence[ScheduledRow], prefill: Sequence[ScheduledRow] = (),
+                decode_width: int = 1) -> StepInput:
+        """Builds the typed host batch (numpy) for one step from its scheduled rows.
+
+        ``decode`` rows get a part [Bd, decode_width] (width 1 + R for verify), ``prefill``
+        rows a part [Bp, C]; each part is padded to its bucket, and an empty one is left out.
+        """
+        parts = []
+        if decode:
+            parts.append((decode, self.decode_bucket(len(decode)), decode_width))
+        if prefill:
+            b, c = self.prefill_bucket(len(prefill), max(len(r.tokens) for r in prefill))
+            parts.append((prefill, b, c))
+        return self._build(parts)
+
+    def empty_batch(self, shape: tuple, decode_width: int = 1) -> StepInput:
+        """A batch of the given ``step_shapes()`` entry with every row padding (warm-up)."""
+        d, p = shape
+        parts = ([([], d, decode_width)] if d else []) + ([([], p[0], p[1])] if p else [])
+        return self._build(parts)
+
+    def _build(self, parts) -> StepInput:
+        n = sum(b * t for _, b, t in parts)
+        r = sum(b for _, b, _ in parts)
+        size, m, v = self.page_size, self.pages_per_seq, self.cfg.vocab_size
+        tokens = np.zeros(n, np.int32)
+        positions = np.zeros(n, np.int32)
+        write_page = np.full(n, DUMMY_PAGE, np.int32)
+        write_offset = np.zeros(n, np.int32)
+        sample_index = np.zeros(r, np.int32)
+        sample_pos = np.zeros(r, np.int32)
+        slot_ids = np.full(r, self.max_slots, np.int32)
+        emit = np.zeros(r, bool)
+        suppress_ids = np.full((r, MAX_SUPPRESS_IDS), v, np.int32)
+        suppress_until = np.zeros(r, np.int32)
+        rows_sampling: list[dict] = [{} for _ in range(r)]
+        metas = []
+        off = row = 0
+        for rows, b, t in parts:
+            q_start = np.zeros(b, np.int32)
+            lengths = np.zeros(b, np.int32)
+            tables = np.full((b, m), DUMMY_PAGE, np.int32)
+            for i, spec in enumerate(rows):
+                k = len(spec.tokens)
+                base = off + i * t
+                pos = spec.start + np.arange(k)
+                table = np.asarray(spec.block_table, np.int32)
+                tokens[base:base + k] = spec.tokens
+                positions[base:base + k] = pos
+                write_page[base:base + k] = table[pos // size]
+                write_offset[base:base + k] = pos % size
+                q_start[i], lengths[i] = spec.start, spec.start + k
+                tables[i, : len(table)] = table
+                j = row + i
+                sample_index[j] = base + k - 1
+                sample_pos[j] = spec.start + k
+                slot_ids[j], emit[j] = spec.slot, spec.emit
+                suppress_ids[j, : len(spec.suppress_ids)] = spec.suppress_ids
+                suppress_until[j] = spec.suppress_until
+                rows_sampling[j] = spec.sampling
+            for i in range(len(rows), b):  # padding rows sample from their own (dummy) token
+                sample_index[row + i] = off + i * t
+            metas.append(PartMetadata(q_start=q_start, lengths=lengths, block_tables=tables,
+                                      t=t))
+            off += b * t
+            row += b
+        return StepInput(tokens=tokens, positions=positions, write_page=write_page,
+                         write_offset=write_offset, parts=tuple(metas),
+                         sample_index=sample_index, sample_pos=sample_pos, slot_ids=slot_ids,
+                         emit=emit, suppress_ids=suppress_ids, suppress_until=suppress_until,
+                         sampling=sampling.SamplingArrays.from_lists(rows_sampling, xp=np))
 
     # ------------------------------------------------------------------ execution
-    def run(self, host: dict) -> StepOutput:
-        """Runs one step from host arrays (see ``empty_input``); returns device outputs."""
-        inp = self._device_input(host)
+    def run(self, batch: StepInput) -> StepOutput:
+        """Runs one step (one device call) from a host batch; returns device outputs."""
+        inp = jax.device_put(batch)
         out, self.cache, self.sstate = _jit_step(self.params, self.cache, self.sstate, inp,
                                                  cfg=self.cfg, backend=self.backend,
                                                  num_logprobs=self.num_logprobs)
         return out
 
-    def _device_input(self, host: dict) -> StepInput:
-        return StepInput(
-            tokens=jnp.asarray(host["tokens"]), q_start=jnp.asarray(host["q_start"]),
-            n_valid=jnp.asarray(host["n_valid"]), block_tables=jnp.asarray(host["block_tables"]),
-            slot_ids=jnp.asarray(host["slot_ids"]), emit=jnp.asarray(host["emit"]),
-            suppress_ids=jnp.asarray(host["suppress_ids"]),
-            suppress_until=jnp.asarray(host["suppress_until"]),
-            sampling=sampling.SamplingArrays.from_lists(host["sampling"]))
-
-    def run_verify(self, host: dict, draft_tokens, num_draft, draft_probs=None):
-        """Runs one verify step; host arrays as for ``run`` with T = K + 1."""
-        inp = self._device_input(host)
+    def run_verify(self, batch: StepInput, draft_tokens, num_draft, draft_probs=None):
+        """Runs one verify step: ``batch`` from ``prepare(rows, decode_width=1 + R)``;
+        draft_tokens [B, R] (host or device) enter the tokens inside the jit."""
+        inp = jax.device_put(batch)
         out, self.cache, self.sstate = _jit_verify(
             self.params, self.cache, self.sstate, inp, jnp.asarray(draft_tokens),
             jnp.asarray(num_draft), draft_probs, cfg=self.cfg, backend=self.backend)
@@ -275,11 +375,9 @@ class Runner:
                                              jnp.asarray(n_prompt), jnp.asarray(n_total))
 
     def warmup(self) -> None:
-        """Compiles every bucket once (all rows padding: writes go to the dummy page)."""
-        for b in self.decode_buckets:
-            jax.block_until_ready(self.run(self.empty_input(b, 1)).tokens)
-        for b, c in self.prefill_buckets:
-            jax.block_until_ready(self.run(self.empty_input(b, c)).tokens)
+        """Compiles every step shape once (all rows padding: writes go to the dummy page)."""
+        for shape in self.step_shapes():
+            jax.block_until_ready(self.run(self.empty_batch(shape)).tokens)
         self.copy_pages([(DUMMY_PAGE, DUMMY_PAGE)])
         self.init_sampler_rows([(self.max_slots, [0], 1)])
 
@@ -287,3 +385,24 @@ class Runner:
         """Executables the jitted steps hold, process-wide (grows only for a new shape)."""
         return (_jit_step._cache_size() + _copy_pages._cache_size()
                 + _jit_verify._cache_size() + _init_sampler_rows._cache_size())
+
+
+def part_arrays(batch: StepInput, index: int) -> tuple[np.ndarray, ...]:
+    """Part ``index`` of a host batch in row form: (tokens [B, T], q_start [B], n_valid [B],
+    block_tables [B, M]), for a draft model that mirrors the target's prefill."""
+    part = batch.parts[index]
+    off = sum(p.block_tables.shape[0] * p.t for p in batch.parts[:index])
+    b, t = part.block_tables.shape[0], part.t
+    tokens = np.asarray(batch.tokens[off:off + b * t]).reshape(b, t)
+    return tokens, part.q_start, part.lengths - part.q_start, part.block_tables
+
+
+def padded_verify_rows(rows: Sequence[ScheduledRow], num_draft: Optional[np.ndarray],
+                       width: int) -> list[ScheduledRow]:
+    """Verify rows: each row's token list padded with placeholders for its drafts (the
+    drafts themselves enter inside the jit), so K/V write slots exist for 1 + num_draft."""
+    out = []
+    for i, row in enumerate(rows):
+        k = 0 if num_draft is None else int(num_draft[i])
+        out.append(dataclasses.replace(row, tokens=list(row.tokens) + [0] * min(k, width - 1)))
+    return out

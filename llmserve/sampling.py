@@ -79,8 +79,11 @@ class SamplingArrays:
         return cls.from_lists([{}] * batch)
 
     @classmethod
-    def from_lists(cls, rows: list[dict[str, Any]]) -> SamplingArrays:
-        """Host helper: one dict per slot (keys = field names; missing or None => neutral)."""
+    def from_lists(cls, rows: list[dict[str, Any]], xp=jnp) -> SamplingArrays:
+        """Host helper: one dict per slot (keys = field names; missing or None => neutral).
+
+        ``xp=np`` keeps the arrays on the host (a runner batch moves in one ``device_put``).
+        """
         for row in rows:
             unknown = set(row) - set(NEUTRAL)
             if unknown:
@@ -90,7 +93,7 @@ class SamplingArrays:
             vals = [default if row.get(name) is None else row[name] for row in rows]
             if name == "seed":  # Python ints of any size wrap into u32.
                 vals = [int(v) & 0xFFFFFFFF for v in vals]
-            cols[name] = jnp.asarray(np.asarray(vals, dtype=_DTYPES[name]).reshape(len(rows)))
+            cols[name] = xp.asarray(np.asarray(vals, dtype=_DTYPES[name]).reshape(len(rows)))
         return cls(**cols)
 
 
