@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: Optional[Sequence[int]] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None  # top-n per prompt position (scored outside the step)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -68,6 +69,8 @@ class SamplingParams:
             bad("min_tokens", "must be in [0, max_tokens]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", "must be in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an int")
         if any(not s for s in self.stop):
