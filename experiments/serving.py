@@ -244,6 +244,9 @@ def plot(path: str, rows: list[dict], title: str) -> str:
 
 def main(argv):
     del argv
+    import logging as std_logging
+
+    std_logging.getLogger("httpx").setLevel(std_logging.WARNING)  # one line per request
     c = _CONFIG.value
     t0 = time.time()
     srv = None

@@ -339,8 +339,10 @@ class EngineLoop:
             for out in outputs:
                 self._dispatch(out, now)
             self.metrics.update_engine(engine, self._num_running, self._num_waiting)
-        for rid in list(self._streams):
+        for rid in list(self._streams):  # shutting down: tell the waiting handlers
+            stream = self._streams[rid]
             self._abort(rid)
+            _put(stream, APIError(503, "the server is shutting down", type="server_error"))
 
     def _drain(self, block: bool) -> None:
         try:
