@@ -713,7 +713,8 @@ class OpenAIServing:
             raise bad_request("max_tokens must be >= 0", "max_tokens")
         if max_tokens == 0 and not req.echo:
             raise bad_request("max_tokens=0 is only allowed with echo (scoring)", "max_tokens")
-        params = req.sampling_params(max_tokens or 1, req.logprobs)
+        # max_tokens=0 scores only: no engine request is made; None runs to max_model_len.
+        params = req.sampling_params(1 if max_tokens == 0 else max_tokens, req.logprobs)
         for p in prompts:
             self._check_len(p, max_tokens, "prompt")
         scores = None

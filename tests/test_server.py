@@ -110,6 +110,10 @@ def test_completion_matches_reference(setup, client):
     assert [c.index for c in r2.choices] == [0, 1]
     assert r2.choices[0].text == want
     assert r2.choices[1].text == reference_text(setup, ids[:5], 12)[0]
+    # max_tokens null: generate until the context is full.
+    r3 = client.completions.create(model=MODEL, prompt=ids[:5], max_tokens=None,
+                                   temperature=0, extra_body={"ignore_eos": True})
+    assert r3.usage.total_tokens == MAX_LEN and r3.choices[0].finish_reason == "length"
 
 
 def test_streamed_text_equals_non_streamed(setup, client):
