@@ -18,6 +18,11 @@ docstrings (/v1/completions), ``prompt_len`` tokens; each asks for ``new_tokens`
 output token after the first), ITL (gaps between streamed chunks) and end-to-end latency
 (p50/p90/p99), and request / output-token throughput, like vLLM's ``bench serve``. Writes
 results/serving/<time>/results.json and latency.png; prints a markdown table.
+
+Measured (default config, SmolLM2-135M fp32, 2 CPU cores shared with other jobs: load average
+~6, 2026-11-30; whole run ~4 min): at 0.5 / 1 / 2 req/s offered, 0.41 / 0.70 / 0.94 req/s and
+31 / 54 / 72 output tok/s served; TTFT p50 224 / 351 / 1108 ms, TPOT p50 66 / 86 / 178 ms,
+ITL p50 56 / 76 / 96 ms (p99 225 / 318 / 1395 ms); no failures.
 """
 
 import ml_collections

@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import logging
 import queue
 import re
 import threading
@@ -430,11 +431,15 @@ class EngineLoop:
     def _fail_all(self, error: Exception) -> None:
         """A failed step: every request in the engine gets a 500; the device state is rebuilt."""
         self.step_errors += 1
+        logging.getLogger(__name__).exception("engine step failed; failing its requests")
         for rid in list(self._streams):
             stream = self._streams[rid]
             self._abort(rid)
             _put(stream, APIError(500, f"engine step failed: {error!r}", type="server_error"))
-        recover(self.engine)
+        try:
+            recover(self.engine)
+        except Exception:  # noqa: BLE001 - keep the loop alive; the next step will tell
+            logging.getLogger(__name__).exception("engine recovery failed")
 
 
 def recover(engine) -> None:
