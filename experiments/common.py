@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import os
 import platform
 import time
 from typing import Any, Optional, Sequence
+
+# Real English text, stable for a given Python version: docstrings of these stdlib modules and
+# of their public members, in sorted order.
+CORPUS_MODULES = ("argparse", "collections", "functools", "itertools", "json", "pathlib",
+                  "subprocess", "threading", "logging", "re", "datetime", "textwrap", "unittest",
+                  "dataclasses", "heapq", "bisect", "shutil", "tempfile", "csv", "string")
+
+
+def corpus_text() -> str:
+    """Deduplicated docstrings of ``CORPUS_MODULES`` (module first, then public members)."""
+    parts, seen = [], set()
+    for name in CORPUS_MODULES:
+        mod = importlib.import_module(name)
+        members = [getattr(mod, m) for m in sorted(dir(mod)) if not m.startswith("_")]
+        for obj in [mod] + [o for o in members if getattr(o, "__module__", None) == name]:
+            doc = inspect.getdoc(obj)
+            if doc and doc not in seen:
+                seen.add(doc)
+                parts.append(doc)
+    return "\n\n".join(parts)
 
 
 def environment() -> dict[str, Any]:

@@ -17,7 +17,6 @@ import dataclasses
 import gc
 import hashlib
 import importlib
-import inspect
 import os
 import time
 from typing import Callable, Optional
@@ -43,13 +42,6 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/throughput.py",
 LABELS = {"llmserve_continuous": "llmserve continuous", "llmserve_static": "llmserve static",
           "hf_single": "HF generate 1-by-1", "hf_batch": "HF generate batch"}
 
-# Real English text, stable for a given Python version: docstrings of these stdlib modules and
-# of their public members, in sorted order.
-CORPUS_MODULES = ("argparse", "collections", "functools", "itertools", "json", "pathlib",
-                  "subprocess", "threading", "logging", "re", "datetime", "textwrap", "unittest",
-                  "dataclasses", "heapq", "bisect", "shutil", "tempfile", "csv", "string")
-
-
 # ---------------------------------------------------------------------------------- workload
 @dataclasses.dataclass(frozen=True)
 class Request:
@@ -59,20 +51,6 @@ class Request:
     max_tokens: int
 
 
-def corpus_text() -> str:
-    """Deduplicated docstrings of ``CORPUS_MODULES`` (module first, then public members)."""
-    parts, seen = [], set()
-    for name in CORPUS_MODULES:
-        mod = importlib.import_module(name)
-        members = [getattr(mod, m) for m in sorted(dir(mod)) if not m.startswith("_")]
-        for obj in [mod] + [o for o in members if getattr(o, "__module__", None) == name]:
-            doc = inspect.getdoc(obj)
-            if doc and doc not in seen:
-                seen.add(doc)
-                parts.append(doc)
-    return "\n\n".join(parts)
-
-
 def build_workload(wcfg, tokenizer) -> list[Request]:
     """Cuts ``num_prompts`` prompts from the tokenized corpus at distinct random offsets.
 
@@ -80,7 +58,7 @@ def build_workload(wcfg, tokenizer) -> list[Request]:
     """
     import numpy as np
 
-    ids = tokenizer.encode(corpus_text())
+    ids = tokenizer.encode(common.corpus_text())
     lo, hi = wcfg.prompt_len
     n = wcfg.num_prompts
     if len(ids) - hi < n:

@@ -60,6 +60,7 @@ class SamplingParams:
     stop_token_ids: Optional[Sequence[int]] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None  # top-n per prompt position (scored outside the step)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -122,6 +123,9 @@ class SamplingParams:
         logprobs = integer("logprobs", optional=True)
         if logprobs is not None and not 0 <= logprobs <= 20:
             bad("logprobs", "must be in [0, 20]")
+        prompt_logprobs = integer("prompt_logprobs", optional=True)
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= 20:
+            bad("prompt_logprobs", "must be in [0, 20]")
         integer("seed", optional=True)
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str)
                                                            for s in self.stop):
