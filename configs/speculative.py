@@ -1,7 +1,10 @@
 r"""Speculative decoding benchmark on SmolLM2-135M-Instruct fp32 (issue 5).
 
-  python -m experiments.speculative --config=configs/speculative.py:runlocal   # smoke, ~2.5 min
+  python -m experiments.speculative --config=configs/speculative.py:smoke      # ~40 s, tiny model
+  python -m experiments.speculative --config=configs/speculative.py:small      # ~2.5 min, SmolLM2
   python -m experiments.speculative --config=configs/speculative.py            # full, ~14 min
+("runlocal" is an alias of "smoke"; "smoke" runs a random-weight tiny target, checking the
+pipeline only: its acceptance numbers mean nothing.)
 Overrides: --config.max_tokens=32 --config.batches=1,4 --config.methods=ngram
            --config.draft_model=checkpoints/distill_draft/smoke/draft_hf
 
@@ -33,14 +36,19 @@ import ml_collections
 
 
 def get_config(arg: str = "full") -> ml_collections.ConfigDict:
-    """``arg``: "full" (default) or "runlocal" (batch 1 and 4, K=2, 8 tokens)."""
-    if arg not in ("full", "runlocal"):
-        raise ValueError(f"speculative config arg {arg!r}: use full or runlocal")
-    runlocal = arg == "runlocal"
+    """``arg``: "full" (default), "small" (SmolLM2, batch 1 and 4, K=2, 8 tokens) or "smoke"
+    (alias "runlocal": the same sweep on a random-weight tiny target)."""
+    arg = {"runlocal": "smoke"}.get(arg, arg)
+    if arg not in ("full", "small", "smoke"):
+        raise ValueError(f"speculative config arg {arg!r}: use full, small or smoke")
+    runlocal = arg != "full"
     c = ml_collections.ConfigDict()
     c.name = arg
-    c.out_dir = "results/speculative"
+    c.target_model = "tiny-9-3" if arg == "smoke" else ""  # "" = SmolLM2-135M-Instruct
+    c.out_root = ""  # "" = results/ (or $LLMSERVE_RESULTS)
     c.batches = "1,4" if runlocal else "1,4,16,32"
+    if arg == "smoke":
+        c.batches = "2"
     c.methods = "ngram,draft"
     c.ks = "2" if runlocal else "2,4,6"
     c.main_k = 2 if runlocal else 4  # the K run at every batch
