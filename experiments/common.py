@@ -254,3 +254,29 @@ def bar_chart(path: str, labels: Sequence[str], panels: Sequence[tuple[str, Sequ
     else:
         fig.tight_layout()
     return save_figure(fig, path)
+
+
+def line_plot(path: str, series: dict[str, tuple[Sequence[float], Sequence[float]]],
+              xlabel: str, ylabel: str, title: str, logy: bool = False) -> str:
+    """One panel of lines, one per ``series`` entry (label -> (xs, ys)); writes a PNG."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for label, (xs, ys) in series.items():
+        ax.plot(list(xs), list(ys), marker="o" if len(xs) < 30 else None, label=label)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def loss_curve(directory: str, history: Sequence[dict], title: str) -> str:
+    """The training-loss curve of a ``llmserve.training.loop.train`` history, as loss.png."""
+    steps = [h["step"] for h in history if "loss" in h]
+    losses = [h["loss"] for h in history if "loss" in h]
+    return line_plot(os.path.join(directory, "loss.png"), {"train loss": (steps, losses)},
+                     "step", "loss", title)
