@@ -161,7 +161,7 @@ def main(argv) -> None:
              f"{cfg.iters} steps; {os.cpu_count()} CPU cores"]
     print(f"\n{table}\n\n" + "\n".join(f"- {n}" for n in notes))
     png = plot(os.path.join(out, "gqa.png"), rows, cfg)
-    summary = {}
+    summary = {"fit_context": cfg.fit_context, "kv_budget_mib": cfg.kv_budget_mib}
     for r in rows:
         key = r["variant"].lower().replace("-", "")
         summary[f"{key}_kv_reduction_vs_mha"] = r["kv_reduction_vs_mha"]
