@@ -28,13 +28,15 @@ class LLM:
                  seed: int = 0, tokenizer: Any = None, params: Any = None,
                  model_config: Any = None, warmup: bool = True, **engine_kwargs):
         from llmserve.checkpoint import load_checkpoint
+        from llmserve.progress import phase
 
         if params is not None:
             if model_config is None:
                 raise ValueError("LLM(params=...) also needs model_config=")
             cfg = model_config
         else:
-            cfg, params = load_checkpoint(model, dtype=dtype)
+            with phase(f"loading {model or 'SmolLM2-135M-Instruct'} ({dtype})"):
+                cfg, params = load_checkpoint(model, dtype=dtype)
         if tokenizer is None and (model is None or isinstance(model, str)):
             tokenizer = _load_tokenizer(model)
         self.model = model
@@ -46,9 +48,13 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching,
                               max_num_batched_tokens=max_num_batched_tokens,
                               scheduling=scheduling, seed=seed, **engine_kwargs)
-        self.engine = Engine(cfg, params, tokenizer, config)
+        with phase("building the engine (KV cache, device params)"):
+            self.engine = Engine(cfg, params, tokenizer, config)
         if warmup:
-            self.engine.warmup()
+            with phase("compiling the step shapes (once per process)") as info:
+                self.engine.warmup()
+                count = getattr(self.engine.runner, "num_compilations", None)
+                info["detail"] = f"{count()} executables" if count else ""
 
     @property
     def config(self):
