@@ -116,3 +116,8 @@ def test_report_collects_the_table_and_updates_the_readme(smoke_results, tmp_pat
     text = readme.read_text()
     assert "old" not in text and text.startswith("intro\n") and text.endswith("tail\n")
     assert "| PagedAttention |" in text
+
+
+@pytest.mark.parametrize("script", ["scripts/gpu_check.sh", "scripts/bench_vllm_cpu.sh"])
+def test_shell_scripts_parse(script):
+    assert subprocess.run(["bash", "-n", os.path.join(ROOT, script)]).returncode == 0
