@@ -221,12 +221,13 @@ def save_figure(fig, path: str) -> str:
 def bar_chart(path: str, labels: Sequence[str], panels: Sequence[tuple[str, Sequence[float]]],
               title: str, notes: Optional[Sequence[str]] = None,
               errors: Optional[Sequence[Optional[Sequence[tuple[float, float]]]]] = None,
-              hatched: Sequence[bool] = ()) -> str:
+              hatched: Sequence[bool | str] = ()) -> str:
     """Side-by-side bar panels (one per metric) with values printed on the bars; writes a PNG.
 
     ``errors[p][i]`` is an optional (min, max) range drawn as an error bar on bar i of panel p
-    (the spread of repeats). A bar with ``hatched[i]`` true is drawn hollow and hatched and its
-    label reads "extrapolated": the value was not measured directly.
+    (the spread of repeats). A bar with ``hatched[i]`` set is drawn hollow and hatched, with the
+    word "extrapolated" (True) or ``hatched[i]`` itself (a string, e.g. "simulated") under its
+    value: the value was not measured directly.
     """
     plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
@@ -242,7 +243,8 @@ def bar_chart(path: str, labels: Sequence[str], panels: Sequence[tuple[str, Sequ
             if rng is not None:
                 ax.errorbar(i, v, yerr=[[v - rng[0]], [rng[1] - v]], color="black", capsize=3,
                             linewidth=0.8)
-            text = f"{v:.3g}" + ("\nextrapolated" if hatched[i] else "")
+            mark = "extrapolated" if hatched[i] is True else (hatched[i] or "")
+            text = f"{v:.3g}" + (f"\n{mark}" if mark else "")
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)

@@ -584,7 +584,7 @@ def plot(path: str, summary_rows: dict, ideal_wall: Optional[float], title: str,
     labels = [LABELS[n] for n in names]
     tps = [summary_rows[n]["tokens_per_s"] for n in names]
     wall = [summary_rows[n]["wall_s"] for n in names]
-    hatched = [bool(summary_rows[n].get("extrapolated")) for n in names]
+    hatched: list = [bool(summary_rows[n].get("extrapolated")) for n in names]
     panels = [("generated tokens / s", [s["median"] for s in tps]),
               ("wall time (s)", [s["median"] for s in wall])]
     errors = [[(s["min"], s["max"]) for s in tps], [(s["min"], s["max"]) for s in wall]]
@@ -594,7 +594,7 @@ def plot(path: str, summary_rows: dict, ideal_wall: Optional[float], title: str,
         panels = [(p[0], list(p[1]) + [v]) for p, v in zip(panels, (gen / ideal_wall,
                                                                      ideal_wall))]
         errors = [e + [None] for e in errors]
-        hatched.append(True)
+        hatched.append("simulated")
     return common.bar_chart(path, labels, panels, title=title, errors=errors, hatched=hatched,
                             notes=[c for c in caveats if "extrapolated" in c])
 
