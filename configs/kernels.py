@@ -1,6 +1,6 @@
 r"""Attention kernels: compiled memory on CPU, speed on GPU.
 
-  python -m experiments.kernels --config=configs/kernels.py          # CPU ~1 min; GPU ~3 min
+  python -m experiments.kernels --config=configs/kernels.py          # CPU ~20 s; GPU ~3 min
   python -m experiments.kernels --config=configs/kernels.py:smoke    # ~15 s
   python -m experiments.kernels --config=configs/kernels.py --config.heads=32,8,128  # Llama-3-8B
 

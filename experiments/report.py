@@ -155,7 +155,8 @@ def pick(all_runs: list[dict], name: str, gpu: bool, allow_smoke: bool) -> Optio
 def cell(row: Row, run: Optional[dict]) -> str:
     if run is None:
         return NOT_MEASURED
-    text = row.cell(run.get("summary", {}))
+    # Summary numbers, with the run's config fields (e.g. the budget a count refers to) behind.
+    text = row.cell({**run.get("config", {}), **run.get("summary", {})})
     if run.get("name") == "smoke":
         text = "[smoke run: pipeline check only] " + text
     return f"{text} ({run.get('machine', {}).get('time', '?')[:10]})"
@@ -202,7 +203,8 @@ def build(root: str, docs: str, allow_smoke: bool) -> tuple[str, str]:
     plot = next((f"docs/img/{f}" for f in sorted(os.listdir(img))
                  if f.startswith("throughput_32_cpu")), None)
     plot = plot or next((f"docs/img/{f}" for f in sorted(os.listdir(img))), None)
-    section = (f"{BEGIN}\n{table}\n\n" + (f"![throughput]({plot})\n\n" if plot else "")
+    alt = os.path.basename(plot).split("_")[0] if plot else ""
+    section = (f"{BEGIN}\n{table}\n\n" + (f"![{alt}]({plot})\n\n" if plot else "")
                + f"Details, plots and caveats: [docs/results.md](docs/results.md).\n{END}")
     return table, section
 
