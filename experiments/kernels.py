@@ -276,8 +276,12 @@ def main(argv):
                     [r["ours_speedup"] for r in results[kind] if r["backend"] == backend
                      and "ours_speedup" in r]))
     notes = ["CPU: flash attention measured as memory (compiled temp bytes), not speed"]
+    table = common.markdown_table(
+        ["tokens (B=1)", "naive MiB", "ours MiB", "ratio"],
+        [[r["tokens"], f"{r['naive_temp_bytes'] / 2**20:.1f}", f"{r['xla_temp_bytes'] / 2**20:.1f}",
+          f"{r['ratio']:.1f}x"] for r in results["memory"]])
     png = plot(os.path.join(out, "kernels.png"), results)
-    path = common.write_results(out, "kernels", cfg, results, summary, notes, [png])
+    path = common.write_results(out, "kernels", cfg, results, summary, notes, [png], table=table)
     print(f"wrote {path} and {png}")
 
 
