@@ -2,7 +2,7 @@ r"""Speculative decoding benchmark on SmolLM2-135M-Instruct fp32 (issue 5).
 
   python -m experiments.speculative --config=configs/speculative.py:smoke      # ~40 s, tiny model
   python -m experiments.speculative --config=configs/speculative.py:small      # ~2.5 min, SmolLM2
-  python -m experiments.speculative --config=configs/speculative.py            # full, ~14 min
+  python -m experiments.speculative --config=configs/speculative.py            # full, ~25 min
 ("runlocal" is an alias of "smoke"; "smoke" runs a random-weight tiny target, checking the
 pipeline only: its acceptance numbers mean nothing.)
 Overrides: --config.max_tokens=32 --config.batches=1,4 --config.methods=ngram
@@ -15,7 +15,8 @@ ignored, ``max_tokens`` new tokens per request. A "batch" is that many concurren
 (max_num_seqs = decode bucket = batch); batches smaller than ``min_requests`` run again with the
 next prompts (batch 1 runs one chat and one code request, one after the other).
 
-Rows: the no-speculation baseline per batch, then the n-gram and the draft-model proposers with
+Each row serves its rounds ``repeats`` times on the same engine (3; the smoke run once) and
+reports the median decode tokens/s with its [min-max]. Rows: the no-speculation baseline per batch, then the n-gram and the draft-model proposers with
 adaptive=True (the engine's never-slower policy, which may stop speculating) and adaptive=False
 (always verify K drafts). The sweep is trimmed to fit 15 minutes of 2 shared CPU cores: every K
 of ``ks`` at the batches of ``all_k_batches``, only ``main_k`` at the others.
@@ -58,6 +59,7 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
     c.max_tokens = 8 if runlocal else 64
     c.repeat_baseline = not runlocal  # no-speculation row again after each batch's sweep
     c.min_requests = 2  # per row: small batches run again until this many requests ran
+    c.repeats = 1 if arg == "smoke" else 3  # each row's rounds, again on the same engine
 
     c.max_prompt_tokens = 64
     c.max_model_len = 160  # >= max_prompt_tokens + max_tokens + the largest K

@@ -228,18 +228,24 @@ def run_row(cfg, models: dict, prompts: dict, batch: int, spec: Optional[dict]) 
     probe = VerifyProbe(engine, k, {}) if spec else None
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
     compiled = engine.runner.num_compilations()
-    rounds = [serve_round(engine, round_prompts(prompts, batch, r), params, f"r{r}", probe)
-              for r in range(rounds_for(cfg, batch))]
+    # The same rounds ``repeats`` times on this engine: decode tok/s is their median.
+    reps = [[serve_round(engine, round_prompts(prompts, batch, r), params, f"x{x}r{r}", probe)
+             for r in range(rounds_for(cfg, batch))] for x in range(cfg.repeats)]
+    rounds = [r for rep in reps for r in rep]
     outs = [o for r in rounds for o in r["outputs"]]
-    kinds = [p.kind for r in range(len(rounds)) for p in round_prompts(prompts, batch, r)]
+    kinds = [p.kind for _ in reps for r in range(len(reps[0]))
+             for p in round_prompts(prompts, batch, r)]
     decode_s = sum(r["decode_s"] for r in rounds)
     decode_tokens = sum(r["decode_tokens"] for r in rounds)
+    per_rep = [sum(r["decode_tokens"] for r in rep) / max(sum(r["decode_s"] for r in rep), 1e-9)
+               for rep in reps]
+    spread = common.spread(per_rep)
     result = {"batch": batch, "method": spec["method"] if spec else "none", "k": k,
               "adaptive": spec["adaptive"] if spec else None, "setup_s": setup_s,
               "decode_s": decode_s, "decode_tokens": decode_tokens,
-              "decode_tok_s": decode_tokens / max(decode_s, 1e-9),
+              "decode_tok_s": spread["median"], "decode_tok_s_spread": spread,
               "recompiles": engine.runner.num_compilations() - compiled,
-              "_tokens": [list(o.outputs[0].token_ids) for o in outs]}
+              "_tokens": [list(o.outputs[0].token_ids) for r in reps[0] for o in r["outputs"]]}
     if spec:
         calls = {c: sum(r["calls"][c] for r in rounds) for c in probe.calls}
         result.update(spec_stats(engine, probe, outs, kinds, calls))
@@ -354,7 +360,7 @@ def report(results: list[dict]) -> str:
         rows.append([
             r["batch"], r["method"], r["k"] or None,
             None if r["adaptive"] is None else ("on" if r["adaptive"] else "off"),
-            _f(r["decode_tok_s"], ".1f"), _f(r.get("speedup"), ".2f"),
+            common.fmt_spread(r["decode_tok_s_spread"]), _f(r.get("speedup"), ".2f"),
             _f(r.get("acceptance_rate"), ".2f") if spec else None,
             _f(kinds.get("chat", {}).get("rate"), ".2f"),
             _f(kinds.get("code", {}).get("rate"), ".2f"),
@@ -364,7 +370,8 @@ def report(results: list[dict]) -> str:
             _f((r.get("policy_times") or {}).get("warmup", {}).get("ratio"), ".2f")
             if r["adaptive"] else None,
             str(r.get("identical", "-"))])
-    headers = ["batch", "method", "K", "adaptive", "decode tok/s", "speedup", "accept",
+    headers = ["batch", "method", "K", "adaptive", "decode tok/s, median [min-max]", "speedup",
+               "accept",
                "accept chat", "accept code", "accept @ pos 1..K", "tok / verify row",
                "verify steps", "t_verify / t_decode", "greedy == base"]
     return common.markdown_table(headers, rows)
