@@ -16,7 +16,8 @@ ignored, ``max_tokens`` new tokens per request. A "batch" is that many concurren
 next prompts (batch 1 runs one chat and one code request, one after the other).
 
 Each row serves its rounds ``repeats`` times on the same engine (3; the smoke run once) and
-reports the median decode tokens/s with its [min-max]. Rows: the no-speculation baseline per batch, then the n-gram and the draft-model proposers with
+reports the median decode tokens/s with its [min-max].
+Rows: the no-speculation baseline per batch, then the n-gram and the draft-model proposers with
 adaptive=True (the engine's never-slower policy, which may stop speculating) and adaptive=False
 (always verify K drafts). The sweep is trimmed to fit 15 minutes of 2 shared CPU cores: every K
 of ``ks`` at the batches of ``all_k_batches``, only ``main_k`` at the others.
