@@ -8,8 +8,8 @@ Smoke test (a minute; checks the pipeline end to end, numbers meaningless):
   python scripts/distill_draft.py --config=configs/distill_draft.py:smoke
 Overrides: --config.train.steps=100 --config.draft.n_layers=4 --config.train.direction=reverse
 
-Writes results/distill/<name>.json (acceptance of the distilled vs an untrained draft, with
-K=4 greedy proposals teacher-forced along the target's greedy text) and, under
+Writes results/distill/<timestamp>/ (results.json, loss.png: acceptance of the distilled vs an
+untrained draft, with K=4 greedy proposals teacher-forced along the target's greedy text) and, under
 checkpoints/distill_draft/<name>/, the training checkpoints, draft_hf/ (loadable by
 LLM(model=...)) and draft_hf_orbax/. "runlocal" is an alias of "smoke".
 Expected (cpu): the distilled draft matches the target's greedy token far more often than the

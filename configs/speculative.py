@@ -23,7 +23,7 @@ adaptive=True (the engine's never-slower policy, which may stop speculating) and
 of ``ks`` at the batches of ``all_k_batches``, only ``main_k`` at the others.
 
 Decode tokens/s counts only the steps after the last prefill of a round (prefill and
-compilation are outside the timed window). Writes results/speculative/speculative_<arg>.json and
+compilation are outside the timed window). Writes results/speculative/<timestamp>/results.json and
 a plot (speedup vs batch; acceptance per draft position), and prints a markdown table.
 Measured (full, 2 shared CPU cores, load 2.6-5.5, 2026-11-30, 832 s): acceptance is low on
 this workload (n-gram 6-15%, the CPU-distilled 2-layer draft 3-8%; draft 1 accepted in ~25% /

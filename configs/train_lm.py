@@ -9,7 +9,7 @@ Trains a byte-level BPE tokenizer (the `tokenizers` library) on the corpus, pack
 stream into [B, T] rows, trains with next-token cross-entropy (AdamW, warmup + cosine,
 clipping, Orbax checkpoints every N steps, resumable), then writes
 checkpoints/train_lm/<name>/model/ (config.json, model.safetensors, tokenizer.json: loadable
-by LLM(model=...)) and results/train_lm/<name>.json (losses, a greedy sample).
+by LLM(model=...)) and results/train_lm/<timestamp>/ (results.json: losses, a sample; loss.png).
 """
 
 import ml_collections
