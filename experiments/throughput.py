@@ -364,16 +364,20 @@ def load_hf_model(cfg, hf_dir: Optional[str]):
     if hf_dir is not None:
         model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
     else:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
         path = default_model_path()
-        original = modeling_utils.is_accelerate_available
+        original = modeling_utils.is_accelerate_available, getattr(gguf_utils, "tqdm", None)
         if importlib.util.find_spec("accelerate") is None:
             # from_pretrained insists on `accelerate` for GGUF but does not use it on this path.
             modeling_utils.is_accelerate_available = lambda: True
+        # Its GGUF conversion draws a plain tqdm bar per load that floods experiment logs.
+        gguf_utils.tqdm = lambda iterable, *args, **kwargs: iterable
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
         finally:
-            modeling_utils.is_accelerate_available = original
+            modeling_utils.is_accelerate_available, gguf_utils.tqdm = original
     model.eval()
     gen = model.generation_config
     gen.eos_token_id = None  # ignore EOS: every request runs to its own max_tokens
