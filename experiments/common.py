@@ -1,14 +1,74 @@
-"""Helpers shared by the experiment entry points: result files, tables and bar charts."""
+"""Helpers shared by the experiment entry points: result folders, repeats, tables and plots.
+
+Every experiment writes one folder per run, ``results/<experiment>/<timestamp>/``, holding
+``results.json`` and at least one PNG. ``results.json`` always has the keys of ``RESULT_KEYS``:
+the experiment and config names, the command that produced it, the config, the machine, library
+versions, every measurement (``results``), the headline numbers ``experiments/report.py`` reads
+(``summary``), caveats (``notes``) and the plot file names (``plots``).
+"""
 
 from __future__ import annotations
 
 import importlib
 import inspect
 import json
+import logging as std_logging
 import os
 import platform
+import shlex
+import statistics
+import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+RESULT_KEYS = ("experiment", "name", "command", "config", "machine", "versions", "results",
+               "summary", "notes", "plots")
+RESULTS_ROOT = "results"
+
+
+def quiet_startup() -> None:
+    """Keeps harmless start-up noise out of experiment logs.
+
+    jax probes for a TPU and logs "Unable to initialize backend 'tpu'" at INFO; under absl that
+    line reaches stderr and looks like a failure. Raising that one logger to WARNING hides it
+    without changing which platform jax picks (a GPU is still used when present). Hugging Face's
+    GGUF conversion bars and download chatter are switched off too.
+    """
+    std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def machine() -> dict[str, Any]:
+    """Facts about the machine a result was measured on."""
+    import jax
+
+    info = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "platform": platform.platform(),
+            "machine": platform.machine(),
+            "processor": platform.processor(), "cpu_count": os.cpu_count(),
+            "loadavg_1m": round(os.getloadavg()[0], 2), "jax_backend": jax.default_backend(),
+            "devices": [d.device_kind for d in jax.devices()]}
+    return info
+
+
+def versions() -> dict[str, str]:
+    """Versions of the libraries a result depends on (those that are importable)."""
+    out = {"python": platform.python_version()}
+    for name in ("jax", "jaxlib", "flax", "numpy", "torch", "transformers", "llmserve"):
+        try:
+            out[name] = getattr(__import__(name), "__version__", "?")
+        except ImportError:
+            pass
+    return out
 
 # Real English text, stable for a given Python version: docstrings of these stdlib modules and
 # of their public members, in sorted order.
@@ -32,28 +92,124 @@ def corpus_text() -> str:
 
 
 def environment() -> dict[str, Any]:
-    """Versions and machine facts recorded next to every result."""
-    import jax
+    """Machine facts and library versions in one dict (kept for older callers)."""
+    return {**machine(), **versions()}
 
-    env = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
-           "machine": platform.machine(), "cpu_count": os.cpu_count(),
-           "jax": jax.__version__, "jax_backend": jax.default_backend()}
-    for name in ("torch", "transformers"):
+
+def command_line() -> str:
+    """The command that started this process, as ``python -m experiments.x ...`` when possible."""
+    argv = list(sys.argv)
+    script = argv[0] if argv else ""
+    rel = os.path.relpath(script) if script else ""
+    if rel.startswith("experiments/") and rel.endswith(".py"):
+        return "python -m " + rel[:-3].replace("/", ".") + " " + shlex.join(argv[1:])
+    return "python " + shlex.join([rel] + argv[1:])
+
+
+def run_dir(experiment: str, root: Optional[str] = None) -> str:
+    """Creates and returns a fresh ``<root>/<experiment>/<timestamp>/`` folder.
+
+    Runs never overwrite each other: a second run within the same second gets a ``-2`` suffix.
+    """
+    root = root or os.environ.get("LLMSERVE_RESULTS", RESULTS_ROOT)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(root, experiment, stamp)
+    path, i = base, 1
+    while True:
         try:
-            env[name] = __import__(name).__version__
-        except ImportError:
-            pass
-    return env
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            i += 1
+            path = f"{base}-{i}"
+
+
+def _jsonable(obj):
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
+def write_results(directory: str, experiment: str, config, results: Any, summary: dict,
+                  notes: Sequence[str] = (), plots: Sequence[str] = (), **extra) -> str:
+    """Writes ``directory/results.json`` with every key of ``RESULT_KEYS``; returns its path.
+
+    ``summary`` holds the headline numbers (plain floats, named by what they measure);
+    ``plots`` are file names inside ``directory``.
+    """
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
+    payload = {"experiment": experiment, "name": cfg.get("name", ""), "command": command_line(),
+               "config": cfg, "machine": machine(), "versions": versions(), "results": results,
+               "summary": summary, "notes": list(notes),
+               "plots": [os.path.basename(p) for p in plots], **extra}
+    path = os.path.join(directory, "results.json")
+    with open(path, "w") as fh:
+        json.dump(payload, fh, indent=2, default=_jsonable)
+    return path
 
 
 def write_json(path: str, payload: dict) -> str:
     """Writes ``payload`` (plus ``environment()``) as indented JSON; returns the path."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as fh:
-        json.dump({"environment": environment(), **payload}, fh, indent=2)
+        json.dump({"environment": environment(), **payload}, fh, indent=2, default=_jsonable)
     return path
 
 
+def latest_run(experiment: str, name: Optional[str] = None,
+               root: Optional[str] = None) -> Optional[dict]:
+    """The newest ``results.json`` of an experiment (and config name), with its folder, or None."""
+    root = root or os.environ.get("LLMSERVE_RESULTS", RESULTS_ROOT)
+    base = os.path.join(root, experiment)
+    if not os.path.isdir(base):
+        return None
+    for stamp in sorted(os.listdir(base), reverse=True):
+        path = os.path.join(base, stamp, "results.json")
+        if not os.path.isfile(path):
+            continue
+        with open(path) as fh:
+            data = json.load(fh)
+        if name is None or data.get("name") == name:
+            data["_dir"] = os.path.join(base, stamp)
+            return data
+    return None
+
+
+# ---------------------------------------------------------------------------------- repeats
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and the relative spread ((max - min) / median) of repeated measures."""
+    vals = [float(v) for v in values]
+    med = statistics.median(vals)
+    return {"median": med, "min": min(vals), "max": max(vals), "n": len(vals),
+            "rel_spread": (max(vals) - min(vals)) / med if med else 0.0}
+
+
+def interleaved(fns: dict[str, Callable[[int], dict]], repeats: int,
+                log: Callable[[str], None] = print) -> dict[str, list[dict]]:
+    """Runs ``fns[name](repeat)`` round-robin ``repeats`` times (A B C A B C ...).
+
+    Interleaving spreads slow drifts of a shared machine (other jobs, thermal state) evenly over
+    every side of a comparison. Returns each name's list of per-repeat results.
+    """
+    out: dict[str, list[dict]] = {name: [] for name in fns}
+    for rep in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            out[name].append(fn(rep))
+            log(f"  repeat {rep + 1}/{repeats} {name}: {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def fmt_spread(s: dict, spec: str = ".1f") -> str:
+    """``median [min-max]`` for a table cell."""
+    return f"{s['median']:{spec}} [{s['min']:{spec}}-{s['max']:{spec}}]"
+
+
+# ---------------------------------------------------------------------------------- tables
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub markdown table; floats keep what the caller formatted, None prints as '-'."""
     cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
@@ -63,30 +219,88 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def bar_chart(path: str, labels: Sequence[str], panels: Sequence[tuple[str, Sequence[float]]],
-              title: str, notes: Optional[Sequence[str]] = None) -> str:
-    """Side-by-side bar panels (one per metric) with values printed on the bars; writes a PNG."""
+# ---------------------------------------------------------------------------------- plots
+def pyplot():
+    """matplotlib.pyplot with the file-only Agg backend (no display needed)."""
     import matplotlib
 
-    matplotlib.use("Agg")
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, path: str) -> str:
+    """Saves and closes a figure; returns the path."""
+    plt = pyplot()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def bar_chart(path: str, labels: Sequence[str], panels: Sequence[tuple[str, Sequence[float]]],
+              title: str, notes: Optional[Sequence[str]] = None,
+              errors: Optional[Sequence[Optional[Sequence[tuple[float, float]]]]] = None,
+              hatched: Sequence[bool | str] = ()) -> str:
+    """Side-by-side bar panels (one per metric) with values printed on the bars; writes a PNG.
+
+    ``errors[p][i]`` is an optional (min, max) range drawn as an error bar on bar i of panel p
+    (the spread of repeats). A bar with ``hatched[i]`` set is drawn hollow and hatched, with the
+    word "extrapolated" (True) or ``hatched[i]`` itself (a string, e.g. "simulated") under its
+    value: the value was not measured directly.
+    """
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (ylabel, values) in zip(axes[0], panels):
-        bars = ax.bar(range(len(labels)), values, color=colors[: len(labels)])
+    hatched = list(hatched) + [False] * (len(labels) - len(hatched))
+    for p, (ax, (ylabel, values)) in enumerate(zip(axes[0], panels)):
+        for i, v in enumerate(values):
+            color = colors[i % len(colors)]
+            style = (dict(facecolor="none", edgecolor=color, hatch="//") if hatched[i]
+                     else dict(color=color))
+            bar = ax.bar(i, v, **style)[0]
+            rng = errors[p][i] if errors and errors[p] else None
+            if rng is not None:
+                ax.errorbar(i, v, yerr=[[v - rng[0]], [rng[1] - v]], color="black", capsize=3,
+                            linewidth=0.8)
+            mark = "extrapolated" if hatched[i] is True else (hatched[i] or "")
+            text = f"{v:.3g}" + (f"\n{mark}" if mark else "")
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
         ax.set_ylabel(ylabel)
-        for bar, v in zip(bars, values):
-            ax.annotate(f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=8)
     fig.suptitle(title, fontsize=10)
     if notes:
         fig.text(0.01, 0.01, "\n".join(notes), fontsize=7, va="bottom")
         fig.tight_layout(rect=(0, 0.04 * len(notes), 1, 0.95))
     else:
         fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
+
+
+def line_plot(path: str, series: dict[str, tuple[Sequence[float], Sequence[float]]],
+              xlabel: str, ylabel: str, title: str, logy: bool = False) -> str:
+    """One panel of lines, one per ``series`` entry (label -> (xs, ys)); writes a PNG."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for label, (xs, ys) in series.items():
+        ax.plot(list(xs), list(ys), marker="o" if len(xs) < 30 else None, label=label)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def loss_curve(directory: str, history: Sequence[dict], title: str) -> str:
+    """The training-loss curve of a ``llmserve.training.loop.train`` history, as loss.png."""
+    steps = [h["step"] for h in history if "loss" in h]
+    losses = [h["loss"] for h in history if "loss" in h]
+    return line_plot(os.path.join(directory, "loss.png"), {"train loss": (steps, losses)},
+                     "step", "loss", title)

@@ -1,13 +1,13 @@
-r"""Attention kernel benchmark: memory on CPU, speed on GPU. Writes JSON under results/kernels/.
+r"""Attention kernel benchmark: memory on CPU, speed on GPU. Writes results/kernels/<timestamp>/.
 
 CPU (any machine):
-  python experiments/kernels.py
+  python -m experiments.kernels --config=configs/kernels.py[:smoke]
   prints compiled temp memory of naive attention (attention_reference) vs our XLA prefill path
   (flash_attention_xla) at 1k/4k/16k tokens, plus CPU wall times of the XLA serving paths.
   Expected (jax 0.10.2, N=9, K=3, H=64, float32): at 16k tokens ~18 GiB naive vs ~84 MiB (~220x).
 
 GPU:
-  python experiments/kernels.py --prefill_tokens=1024,4096,16384 --decode_batch=8,32,64
+  python -m experiments.kernels --config=configs/kernels.py --config.decode_batch=8,32,64
   compares, in bfloat16:
     prefill (causal, B=1): ours (Pallas/Triton flash_attention) vs jax.nn.dot_product_attention
       (implementation="xla" and "cudnn") vs jax.experimental.pallas.ops.gpu.attention.mha (which
@@ -20,36 +20,40 @@ GPU:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from typing import Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import app, logging
+from ml_collections import config_flags
 
-from llmserve.ops import attention as attn
-from llmserve.ops import flash_attention as fa
-from llmserve.ops import paged_attention as pa
+try:
+    from experiments import common
+except ImportError:  # run as a script: python experiments/kernels.py
+    import common
 
-_OUT_DIR = flags.DEFINE_string("out_dir", "results/kernels", "where the JSON goes")
-_MEM_TOKENS = flags.DEFINE_list("memory_tokens", ["1024", "4096", "16384"],
-                                "token counts for the CPU memory table")
-_PREFILL = flags.DEFINE_list("prefill_tokens", ["1024", "2048", "4096", "8192", "16384"],
-                             "GPU prefill lengths (causal, B=1)")
-_DECODE_B = flags.DEFINE_list("decode_batch", ["8", "16", "32", "64"], "GPU decode batch sizes")
-_DECODE_CTX = flags.DEFINE_list("decode_context", ["1024", "2048", "4096", "8192"],
-                                "GPU decode context lengths")
-_HEADS = flags.DEFINE_string("heads", "9,3,64", "N,K,H (default SmolLM2); 32,8,128 for Llama-3-8B")
-_PAGE = flags.DEFINE_integer("page_size", 16, "tokens per KV page")
-_ITERS = flags.DEFINE_integer("iters", 20, "timed iterations per point")
+common.quiet_startup()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from llmserve.ops import attention as attn  # noqa: E402
+from llmserve.ops import flash_attention as fa  # noqa: E402
+from llmserve.ops import paged_attention as pa  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/kernels.py", "benchmark config",
+                                          lock_config=True)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x.strip()]
 
 
 def heads() -> tuple[int, int, int]:
-    n, k, h = (int(x) for x in _HEADS.value.split(","))
+    """(N, K, H) from the config."""
+    n, k, h = _ints(_CONFIG.value.heads)
     return n, k, h
 
 
@@ -59,10 +63,10 @@ def temp_bytes(f: Callable, *shapes) -> int:
 
 
 def time_ms(f: Callable, *args, iters: int) -> float:
-    """Median wall time of a compiled call, in milliseconds."""
+    """Median wall time of a compiled call, in milliseconds (at least 3 timed calls)."""
     jax.block_until_ready(f(*args))
     times = []
-    for _ in range(iters):
+    for _ in range(max(iters, 3)):
         t0 = time.perf_counter()
         jax.block_until_ready(f(*args))
         times.append(time.perf_counter() - t0)
@@ -74,7 +78,7 @@ def memory_table() -> list[dict]:
     n, kh, h = heads()
     spec = jax.ShapeDtypeStruct
     rows = []
-    for t in (int(x) for x in _MEM_TOKENS.value):
+    for t in _ints(_CONFIG.value.memory_tokens):
         shapes = (spec((1, t, n, h), jnp.float32), spec((1, t, kh, h), jnp.float32),
                   spec((1, t, kh, h), jnp.float32), spec((1,), jnp.int32),
                   spec((1,), jnp.int32))
@@ -112,14 +116,15 @@ def cpu_times() -> list[dict]:
     """Wall times of the XLA serving paths on this machine (the common CPU cases)."""
     n, kh, h = heads()
     rows = []
-    for t in (1, 8, 128, 512):
+    cfg = _CONFIG.value
+    for t in _ints(cfg.cpu_prefill_tokens):
         q, k, v = (random((1, t, x, h), jnp.float32, i) for i, x in enumerate((n, kh, kh)))
         args = (q, k, v, jnp.zeros(1, jnp.int32), jnp.full(1, t, jnp.int32))
-        ms = time_ms(jax.jit(fa.flash_attention_xla), *args, iters=_ITERS.value)
+        ms = time_ms(jax.jit(fa.flash_attention_xla), *args, iters=cfg.iters)
         rows.append(dict(kind="prefill", backend="xla", tokens=t, ms=ms))
-    for b, ctx in ((8, 1024), (32, 1024)):
-        args = paged_inputs(b, ctx, jnp.float32, _PAGE.value)
-        ms = time_ms(jax.jit(pa.paged_attention_xla), *args, iters=_ITERS.value)
+    for b, ctx in (tuple(int(x) for x in bc.split("x")) for bc in cfg.cpu_decode.split(",")):
+        args = paged_inputs(b, ctx, jnp.float32, cfg.page_size)
+        ms = time_ms(jax.jit(pa.paged_attention_xla), *args, iters=cfg.iters)
         rows.append(dict(kind="decode", backend="xla", batch=b, context=ctx, ms=ms))
     for r in rows:
         print(r)
@@ -128,7 +133,7 @@ def cpu_times() -> list[dict]:
 
 def _point(kind: str, name: str, f: Callable, args, flops: float, nbytes: float, **meta) -> dict:
     try:
-        ms = time_ms(jax.jit(f), *args, iters=_ITERS.value)
+        ms = time_ms(jax.jit(f), *args, iters=_CONFIG.value.iters)
     except Exception as e:  # a baseline may not support a shape/dtype (e.g. cuDNN)
         logging.warning("%s %s %s failed: %s", kind, name, meta, e)
         return dict(kind=kind, backend=name, error=str(e)[:300], **meta)
@@ -140,13 +145,17 @@ def _point(kind: str, name: str, f: Callable, args, flops: float, nbytes: float,
 
 
 def gpu_prefill() -> list[dict]:
-    """Causal prefill, B=1, bfloat16: ours vs XLA / cuDNN SDPA vs jax's Pallas mha."""
-    from jax.experimental.pallas.ops.gpu import attention as jax_mha
+    """Causal prefill, B=1, bfloat16: ours vs XLA / cuDNN SDPA vs jax's Pallas mha (if any)."""
+    try:  # deprecated in jax; a peer for comparison only, never used by the library
+        from jax.experimental.pallas.ops.gpu import attention as jax_mha
+    except ImportError as e:
+        logging.warning("jax's Pallas mha is not importable (%s): skipped", e)
+        jax_mha = None
 
     n, kh, h = heads()
     dtype = jnp.bfloat16
     rows = []
-    for t in (int(x) for x in _PREFILL.value):
+    for t in _ints(_CONFIG.value.prefill_tokens):
         q = random((1, t, n, h), dtype, 0)
         k = random((1, t, kh, h), dtype, 1)
         v = random((1, t, kh, h), dtype, 2)
@@ -160,6 +169,8 @@ def gpu_prefill() -> list[dict]:
             f = lambda q, k, v, impl=impl: jax.nn.dot_product_attention(  # noqa: E731
                 q, k, v, is_causal=True, implementation=impl)
             rows.append(_point("prefill", f"sdpa_{impl}", f, (q, k, v), flops, nbytes, **meta))
+        if jax_mha is None:
+            continue
         # jax's mha has no GQA: K/V repeated to N heads (outside the timed call).
         k_rep, v_rep = jnp.repeat(k, n // kh, axis=2), jnp.repeat(v, n // kh, axis=2)
         f = lambda q, k, v: jax_mha.mha(q, k, v, None, sm_scale=1 / math.sqrt(h),  # noqa: E731
@@ -170,22 +181,29 @@ def gpu_prefill() -> list[dict]:
 
 
 def gpu_decode() -> list[dict]:
-    """Paged decode (T=1), bfloat16: ours vs jax's Pallas paged_attention."""
-    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+    """Paged decode (T=1), bfloat16: ours vs jax's Pallas paged_attention (if importable)."""
+    try:
+        from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+    except ImportError as e:
+        logging.warning("jax's Pallas paged_attention is not importable (%s): skipped", e)
+        jax_paged = None
 
+    cfg = _CONFIG.value
     n, kh, h = heads()
     dtype = jnp.bfloat16
     rows = []
-    for b in (int(x) for x in _DECODE_B.value):
-        for ctx in (int(x) for x in _DECODE_CTX.value):
+    for b in _ints(cfg.decode_batch):
+        for ctx in _ints(cfg.decode_context):
             q, k_pages, v_pages, tables, q_start, lengths = paged_inputs(b, ctx, dtype,
-                                                                        _PAGE.value)
+                                                                        cfg.page_size)
             flops = 4.0 * b * n * h * ctx
             nbytes = 2.0 * b * ctx * kh * h * k_pages.dtype.itemsize  # K and V, once
-            meta = dict(batch=b, context=ctx, page_size=_PAGE.value, heads=(n, kh, h))
+            meta = dict(batch=b, context=ctx, page_size=cfg.page_size, heads=(n, kh, h))
             rows.append(_point("decode", "ours", pa.paged_attention,
                                (q, k_pages, v_pages, tables, q_start, lengths), flops, nbytes,
                                **meta))
+            if jax_paged is None:
+                continue
             f = lambda q, kp, vp, bt, ln: jax_paged.paged_attention(  # noqa: E731
                 q[:, 0] / math.sqrt(h), kp, vp, bt, ln)
             rows.append(_point("decode", "jax_pallas_paged", f,
@@ -193,21 +211,78 @@ def gpu_decode() -> list[dict]:
     return rows
 
 
+def plot(path: str, results: dict) -> str:
+    """Compiled temp memory, naive vs ours (log scale); on GPU also prefill/decode speed."""
+    plt = common.pyplot()
+    gpu = "prefill" in results
+    fig, axes = plt.subplots(1, 3 if gpu else 1, figsize=(16 if gpu else 6.5, 4.2),
+                             squeeze=False)
+    mem = results["memory"]
+    ax = axes[0][0]
+    ax.plot([r["tokens"] for r in mem], [r["naive_temp_bytes"] / 2**20 for r in mem], "o-",
+            label="naive (materialized scores)")
+    ax.plot([r["tokens"] for r in mem], [r["xla_temp_bytes"] / 2**20 for r in mem], "s-",
+            label="ours (flash_attention_xla)")
+    for r in mem:
+        ax.annotate(f"{r['ratio']:.0f}x", (r["tokens"], r["xla_temp_bytes"] / 2**20),
+                    fontsize=8, textcoords="offset points", xytext=(0, 6))
+    ax.set(xscale="log", yscale="log", xlabel="tokens (B=1)", ylabel="compiled temp MiB",
+           title="attention scratch memory (memory, CPU compile)")
+    ax.legend(fontsize=8)
+    if gpu:
+        for ax, kind, x, y in ((axes[0][1], "prefill", "tokens", "tflops"),
+                               (axes[0][2], "decode", "context", "gbps")):
+            rows = [r for r in results[kind] if "ms" in r]
+            if kind == "decode":
+                rows = [r for r in rows if r["batch"] == max(r2["batch"] for r2 in rows)]
+            for backend in sorted({r["backend"] for r in rows}):
+                pts = [r for r in rows if r["backend"] == backend]
+                ax.plot([r[x] for r in pts], [r[y] for r in pts], "o-", label=backend)
+            ax.set(xscale="log", xlabel=x, ylabel=y, title=f"{kind}, bfloat16")
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{results['devices'][0]}, N,K,H={results['heads']}", fontsize=10)
+    fig.tight_layout()
+    return common.save_figure(fig, path)
+
+
 def main(argv):
     del argv
+    cfg = _CONFIG.value
     platform = jax.default_backend()
+    out = common.run_dir("kernels", cfg.out_root or None)
     results = dict(platform=platform, devices=[d.device_kind for d in jax.devices()],
-                   jax=jax.__version__, heads=heads(), memory=memory_table())
+                   heads=heads(), memory=memory_table())
     if platform == "gpu":
         results["prefill"] = gpu_prefill()
         results["decode"] = gpu_decode()
     else:
         results["cpu_times"] = cpu_times()
-    os.makedirs(_OUT_DIR.value, exist_ok=True)
-    path = os.path.join(_OUT_DIR.value, f"kernels_{platform}.json")
-    with open(path, "w") as fh:
-        json.dump(results, fh, indent=2)
-    print(f"wrote {path}")
+    largest = max(results["memory"], key=lambda r: r["tokens"])
+    summary = {"memory_ratio": largest["ratio"], "memory_tokens": largest["tokens"],
+               "naive_temp_mib": largest["naive_temp_bytes"] / 2**20,
+               "flash_temp_mib": largest["xla_temp_bytes"] / 2**20}
+    if platform == "gpu":
+        for kind in ("prefill", "decode"):
+            ours = {tuple(sorted((k, v) for k, v in r.items() if k in ("tokens", "batch",
+                                                                        "context"))): r["ms"]
+                    for r in results[kind] if r["backend"] == "ours" and "ms" in r}
+            for r in results[kind]:
+                key = tuple(sorted((k, v) for k, v in r.items()
+                                   if k in ("tokens", "batch", "context")))
+                if r["backend"] != "ours" and "ms" in r and key in ours:
+                    r["ours_speedup"] = r["ms"] / ours[key]
+            for backend in sorted({r["backend"] for r in results[kind] if "ours_speedup" in r}):
+                summary[f"{kind}_speedup_vs_{backend}"] = float(np.median(
+                    [r["ours_speedup"] for r in results[kind] if r["backend"] == backend
+                     and "ours_speedup" in r]))
+    notes = ["CPU: flash attention measured as memory (compiled temp bytes), not speed"]
+    table = common.markdown_table(
+        ["tokens (B=1)", "naive MiB", "ours MiB", "ratio"],
+        [[r["tokens"], f"{r['naive_temp_bytes'] / 2**20:.1f}", f"{r['xla_temp_bytes'] / 2**20:.1f}",
+          f"{r['ratio']:.1f}x"] for r in results["memory"]])
+    png = plot(os.path.join(out, "kernels.png"), results)
+    path = common.write_results(out, "kernels", cfg, results, summary, notes, [png], table=table)
+    print(f"wrote {path} and {png}")
 
 
 if __name__ == "__main__":

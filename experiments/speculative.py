@@ -1,6 +1,6 @@
 r"""Speculative decoding: decode tokens/s with and without speculation (issue 5).
 
-  python -m experiments.speculative --config=configs/speculative.py:runlocal
+  python -m experiments.speculative --config=configs/speculative.py:smoke
   python -m experiments.speculative --config=configs/speculative.py
 
 See configs/speculative.py for the workload, the sweep and the overrides. The target
@@ -31,7 +31,7 @@ try:
 except ImportError:  # run as a script: python experiments/speculative.py
     import common
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+common.quiet_startup()
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/speculative.py",
                                           "benchmark config", lock_config=True)
@@ -102,10 +102,17 @@ def load_models(cfg) -> dict:
     from llmserve.checkpoint.gguf import default_model_path
     from llmserve.tokenizer import Tokenizer
 
-    tcfg, tparams = load_checkpoint(None, dtype="float32")
     tok = Tokenizer.from_gguf(default_model_path())
+    if cfg.target_model:  # a random-weight preset: the smoke variant (speed path only)
+        from llmserve.config import preset
+        from llmserve.model import init_params
+
+        tcfg = preset(cfg.target_model)
+        tparams = init_params(tcfg, 0)
+    else:
+        tcfg, tparams = load_checkpoint(None, dtype="float32")
     models = {"target": (tcfg, tparams), "tokenizer": tok}
-    if os.path.isdir(cfg.draft_model):
+    if os.path.isdir(cfg.draft_model) and not cfg.target_model:
         dcfg, dparams = load_checkpoint(cfg.draft_model, dtype="float32")
         models["draft"] = (dcfg, dparams)
         models["draft_desc"] = f"distilled {dcfg.n_layers}-layer draft ({cfg.draft_model})"
@@ -221,18 +228,24 @@ def run_row(cfg, models: dict, prompts: dict, batch: int, spec: Optional[dict]) 
     probe = VerifyProbe(engine, k, {}) if spec else None
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
     compiled = engine.runner.num_compilations()
-    rounds = [serve_round(engine, round_prompts(prompts, batch, r), params, f"r{r}", probe)
-              for r in range(rounds_for(cfg, batch))]
+    # The same rounds ``repeats`` times on this engine: decode tok/s is their median.
+    reps = [[serve_round(engine, round_prompts(prompts, batch, r), params, f"x{x}r{r}", probe)
+             for r in range(rounds_for(cfg, batch))] for x in range(cfg.repeats)]
+    rounds = [r for rep in reps for r in rep]
     outs = [o for r in rounds for o in r["outputs"]]
-    kinds = [p.kind for r in range(len(rounds)) for p in round_prompts(prompts, batch, r)]
+    kinds = [p.kind for _ in reps for r in range(len(reps[0]))
+             for p in round_prompts(prompts, batch, r)]
     decode_s = sum(r["decode_s"] for r in rounds)
     decode_tokens = sum(r["decode_tokens"] for r in rounds)
+    per_rep = [sum(r["decode_tokens"] for r in rep) / max(sum(r["decode_s"] for r in rep), 1e-9)
+               for rep in reps]
+    spread = common.spread(per_rep)
     result = {"batch": batch, "method": spec["method"] if spec else "none", "k": k,
               "adaptive": spec["adaptive"] if spec else None, "setup_s": setup_s,
               "decode_s": decode_s, "decode_tokens": decode_tokens,
-              "decode_tok_s": decode_tokens / max(decode_s, 1e-9),
+              "decode_tok_s": spread["median"], "decode_tok_s_spread": spread,
               "recompiles": engine.runner.num_compilations() - compiled,
-              "_tokens": [list(o.outputs[0].token_ids) for o in outs]}
+              "_tokens": [list(o.outputs[0].token_ids) for r in reps[0] for o in r["outputs"]]}
     if spec:
         calls = {c: sum(r["calls"][c] for r in rounds) for c in probe.calls}
         result.update(spec_stats(engine, probe, outs, kinds, calls))
@@ -347,7 +360,7 @@ def report(results: list[dict]) -> str:
         rows.append([
             r["batch"], r["method"], r["k"] or None,
             None if r["adaptive"] is None else ("on" if r["adaptive"] else "off"),
-            _f(r["decode_tok_s"], ".1f"), _f(r.get("speedup"), ".2f"),
+            common.fmt_spread(r["decode_tok_s_spread"]), _f(r.get("speedup"), ".2f"),
             _f(r.get("acceptance_rate"), ".2f") if spec else None,
             _f(kinds.get("chat", {}).get("rate"), ".2f"),
             _f(kinds.get("code", {}).get("rate"), ".2f"),
@@ -357,7 +370,8 @@ def report(results: list[dict]) -> str:
             _f((r.get("policy_times") or {}).get("warmup", {}).get("ratio"), ".2f")
             if r["adaptive"] else None,
             str(r.get("identical", "-"))])
-    headers = ["batch", "method", "K", "adaptive", "decode tok/s", "speedup", "accept",
+    headers = ["batch", "method", "K", "adaptive", "decode tok/s, median [min-max]", "speedup",
+               "accept",
                "accept chat", "accept code", "accept @ pos 1..K", "tok / verify row",
                "verify steps", "t_verify / t_decode", "greedy == base"]
     return common.markdown_table(headers, rows)
@@ -366,7 +380,9 @@ def report(results: list[dict]) -> str:
 def notes(cfg, models: dict, results: list[dict], prompts: dict) -> list[str]:
     """Caveats printed under the table and stored in the JSON."""
     lens = {k: [len(p.ids) for p in v] for k, v in prompts.items()}
-    out = [f"SmolLM2-135M-Instruct fp32, {os.cpu_count()} shared CPU cores; greedy, ignore_eos, "
+    target = (f"{cfg.target_model} (random weights: pipeline check only)" if cfg.target_model
+              else "SmolLM2-135M-Instruct")
+    out = [f"{target} fp32, {os.cpu_count()} shared CPU cores; greedy, ignore_eos, "
            f"{cfg.max_tokens} new tokens per request; batch = concurrent requests "
            f"(max_num_seqs = decode bucket = batch); batches < {cfg.min_requests} run "
            f"{cfg.min_requests} requests one round after another",
@@ -486,6 +502,10 @@ def main(argv) -> None:
     plan = sweep(cfg)
     need = max(b * rounds_for(cfg, b) for b, _ in plan)
     prompts = build_prompts(cfg, models["tokenizer"], -(-need // 2))
+    if cfg.target_model:  # token ids of SmolLM2's tokenizer folded into the preset's vocab
+        vocab = models["target"][0].vocab_size
+        prompts = {k: [dataclasses.replace(p, ids=tuple(t % vocab for t in p.ids)) for p in ps]
+                   for k, ps in prompts.items()}
     logging.info("draft: %s", models["draft_desc"])
     results = []
     for batch, spec in plan:
@@ -504,16 +524,32 @@ def main(argv) -> None:
     table = report(results)
     caveats = notes(cfg, models, results, prompts)
     print(f"\n{table}\n\n" + "\n".join(f"- {c}" for c in caveats))
-    stem = os.path.join(cfg.out_dir, f"speculative_{cfg.name}")
-    png = plot(stem + ".png", results,
-               f"Speculative decoding, SmolLM2-135M fp32, {cfg.max_tokens} greedy tokens, "
+    out = common.run_dir("speculative", cfg.out_root or None)
+    model = cfg.target_model or "SmolLM2-135M"
+    png = plot(os.path.join(out, "speculative.png"), results,
+               f"Speculative decoding, {model} fp32, {cfg.max_tokens} greedy tokens, "
                f"{os.cpu_count()} CPU cores")
     clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
-    path = common.write_json(stem + ".json", {
-        "config": cfg.to_dict(), "prompts": {k: [p.source for p in v] for k, v in prompts.items()},
-        "results": clean, "notes": caveats, "table": table,
-        "total_s": time.perf_counter() - t_all})
+    path = common.write_results(
+        out, "speculative", cfg, clean, summarize(results), caveats, [png],
+        prompts={k: [p.source for p in v] for k, v in prompts.items()}, table=table,
+        total_s=time.perf_counter() - t_all)
     print(f"\nwrote {path} and {png} ({time.perf_counter() - t_all:.0f} s in all)")
+
+
+def summarize(results: list[dict]) -> dict:
+    """Headline numbers: the best speedup over no speculation (per mode) and its acceptance."""
+    out = {}
+    for adaptive in (False, True):
+        rows = [r for r in results if r["method"] != "none" and r["adaptive"] is adaptive
+                and r.get("speedup") is not None]
+        if rows:
+            best = max(rows, key=lambda r: r["speedup"])
+            tag = "adaptive" if adaptive else "always"
+            out[f"best_speedup_{tag}"] = best["speedup"]
+            out[f"best_speedup_{tag}_row"] = f"{best['method']} K={best['k']} batch {best['batch']}"
+            out[f"acceptance_{tag}"] = best.get("acceptance_rate")
+    return out
 
 
 if __name__ == "__main__":

@@ -20,6 +20,12 @@ token: that token must be computed so logits exist.
 
 Copy-on-write. ``fork`` shares pages; the first write into a page with refcount > 1 (``append``)
 moves the writer onto a fresh page and reports ``(src, dst)`` for the device to copy.
+
+Reservation. ``reservation="paged"`` (the default) gives a sequence pages as it grows.
+``reservation="contiguous"`` is the pre-PagedAttention baseline for ablations: every sequence
+reserves ``ceil(max_model_len / page_size)`` pages when it is admitted and keeps them until it
+ends, as a contiguous max-length KV buffer per request would (HF ``generate``, FasterTransformer).
+Everything else (prefix hits, copy-on-write, refcounts) works the same on the reserved tables.
 """
 
 from __future__ import annotations
@@ -64,9 +70,18 @@ class BlockStats:
 class BlockManager:
     """Allocates KV pages to sequences; see the module docstring for the page states."""
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 reservation: str = "paged", max_model_len: int | None = None):
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2, page_size >= 1; got {num_pages=} {page_size=}")
+        if reservation not in ("paged", "contiguous"):
+            raise ValueError(f"reservation must be 'paged' or 'contiguous', got {reservation!r}")
+        if reservation == "contiguous" and (max_model_len is None or max_model_len < 1):
+            raise ValueError("reservation='contiguous' needs max_model_len >= 1")
+        self.reservation = reservation
+        # Pages every sequence holds from admission to its end (0: grow page by page).
+        self.reserve_pages = (-(-max_model_len // page_size) if reservation == "contiguous"
+                              else 0)
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -91,6 +106,10 @@ class BlockManager:
     def num_pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.page_size)
+
+    def pages_held(self, num_tokens: int) -> int:
+        """Pages a sequence of ``num_tokens`` tokens holds (its whole reservation if contiguous)."""
+        return max(self.num_pages_for(num_tokens), self.reserve_pages)
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         """The sequence's pages in token order (a copy)."""
@@ -132,7 +151,7 @@ class BlockManager:
                               f"{self.num_free_pages} free")
         for page in hit_pages:  # revive first, so taking fresh pages cannot evict a hit
             self._incref(page)
-        fresh = [self._take() for _ in range(self.num_pages_for(len(token_ids)) - len(hit_pages))]
+        fresh = [self._take() for _ in range(self.pages_held(len(token_ids)) - len(hit_pages))]
         self._tables[seq_id] = hit_pages + fresh
         self._lengths[seq_id] = len(token_ids)
         self._hashes[seq_id] = hit_hashes
@@ -162,7 +181,7 @@ class BlockManager:
 
     def _pages_needed(self, token_ids: Sequence[int], hit_pages: list[int]) -> int:
         """Free-or-cached pages consumed: fresh pages plus hits that must leave the LRU."""
-        fresh = self.num_pages_for(len(token_ids)) - len(hit_pages)
+        fresh = self.pages_held(len(token_ids)) - len(hit_pages)
         return fresh + sum(self._refcount[p] == 0 for p in hit_pages)
 
     # ---------------------------------------------------------------- grow / shrink
@@ -194,7 +213,7 @@ class BlockManager:
         elif num_new_tokens > 0 and length % self.page_size:
             self._unhash(table[length // self.page_size])  # sole owner overwrites its tail
         new_length = length + num_new_tokens
-        table.extend(self._take() for _ in range(self.num_pages_for(new_length) - len(table)))
+        table.extend(self._take() for _ in range(self.pages_held(new_length) - len(table)))
         self._lengths[seq_id] = new_length
         return copies
 
@@ -203,18 +222,30 @@ class BlockManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         length = self._lengths[seq_id]
-        grow = self.num_pages_for(length + num_new_tokens) - len(self._tables[seq_id])
+        grow = max(0, self.pages_held(length + num_new_tokens) - len(self._tables[seq_id]))
         cow = (num_new_tokens > 0 and length % self.page_size != 0
                and self._refcount[self._tables[seq_id][length // self.page_size]] > 1)
         return grow + cow, cow
 
     def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
-        """Shrink the sequence to ``num_tokens`` slots (speculative rollback); free pages beyond."""
+        """Shrink the sequence to ``num_tokens`` slots (speculative rollback); free pages beyond.
+
+        Contiguous reservation keeps every reserved page, but a shared page past the new end is
+        swapped for a private fresh one (the sequence will write there); raises NoFreePages,
+        with nothing changed, when no page is free for that swap.
+        """
         length = self._lengths[seq_id]
         if not 0 <= num_tokens <= length:
             raise ValueError(f"truncate {seq_id!r} to {num_tokens}, length is {length}")
         table = self._tables[seq_id]
-        keep = self.num_pages_for(num_tokens)
+        keep = self.pages_held(num_tokens)
+        shared = [i for i in range(self.num_pages_for(num_tokens), keep)
+                  if self._refcount[table[i]] > 1]
+        if len(shared) > self.num_free_pages:
+            raise NoFreePages(f"truncate of {seq_id!r} needs {len(shared)} private pages")
+        for i in shared:
+            self._release(table[i])
+            table[i] = self._take()
         for page in reversed(table[keep:]):
             self._release(page)
         del table[keep:]
@@ -252,10 +283,14 @@ class BlockManager:
         """Give ``child_id`` the parent's pages (shared, refcount++) and length (n > 1 sampling)."""
         if child_id in self._tables:
             raise ValueError(f"sequence {child_id!r} already allocated")
-        table = self._tables[parent_id]
+        # Contiguous: share the written pages, reserve the rest privately (never shared unwritten).
+        table = self._tables[parent_id][: self.num_pages_for(self._lengths[parent_id])]
+        private = len(self._tables[parent_id]) - len(table)
+        if private > self.num_free_pages:
+            raise NoFreePages(f"fork of {parent_id!r} needs {private} reserved pages")
         for page in table:
             self._incref(page)
-        self._tables[child_id] = list(table)
+        self._tables[child_id] = list(table) + [self._take() for _ in range(private)]
         self._lengths[child_id] = self._lengths[parent_id]
         self._hashes[child_id] = list(self._hashes[parent_id])
         self._roots[child_id] = self._roots[parent_id]
@@ -324,7 +359,7 @@ class BlockManager:
         assert (self._tables.keys() == self._lengths.keys() == self._hashes.keys()
                 == self._roots.keys())
         for seq_id, table in self._tables.items():
-            assert len(table) == self.num_pages_for(self._lengths[seq_id]), f"{seq_id!r} table"
+            assert len(table) == self.pages_held(self._lengths[seq_id]), f"{seq_id!r} table"
             assert len(self._hashes[seq_id]) <= self._lengths[seq_id] // self.page_size
             for page, h in zip(table, self._hashes[seq_id]):  # a cache key names the page's KV
                 assert self._page_key.get(page, (h,))[0] == h, f"page {page} keyed as other KV"

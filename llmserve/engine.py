@@ -40,6 +40,9 @@ class EngineConfig:
     decode_buckets: Optional[tuple] = None
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"  # or "static"
+    # "paged": pages as a sequence grows; "contiguous": max_model_len reserved at admission
+    # (the pre-PagedAttention baseline, for ablations; see block_manager.py)
+    kv_reservation: str = "paged"
     backend: Optional[str] = None  # "xla" | "pallas" | "pallas_interpret" | "reference"
     max_logprobs: int = 5
     seed: int = 0
@@ -188,7 +191,9 @@ class Engine:
                              decode_buckets=config.decode_buckets,
                              prefill_buckets=prefill_buckets)
         self.blocks = BlockManager(num_pages, config.page_size,
-                                   enable_prefix_caching=config.enable_prefix_caching)
+                                   enable_prefix_caching=config.enable_prefix_caching,
+                                   reservation=config.kv_reservation,
+                                   max_model_len=config.max_model_len)
         self.scheduler = Scheduler(
             self.blocks, max_slots=config.max_num_seqs,
             max_prefill_rows=self.runner.max_prefill_rows, max_chunk=self.runner.max_chunk,

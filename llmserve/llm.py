@@ -31,6 +31,7 @@ class LLM:
                  speculative_model: Optional[str] = None,
                  num_speculative_tokens: Optional[int] = None, **engine_kwargs):
         from llmserve.checkpoint import load_checkpoint
+        from llmserve.progress import phase
 
         engine_kwargs = _speculative_kwargs(engine_kwargs, speculative_model,
                                             num_speculative_tokens)
@@ -50,15 +51,20 @@ class LLM:
                 raise ValueError("LLM(params=...) also needs model_config=")
             cfg = model_config
         else:
-            cfg, params = load_checkpoint(model, dtype=dtype)
+            with phase(f"loading {model or 'SmolLM2-135M-Instruct'} ({dtype})"):
+                cfg, params = load_checkpoint(model, dtype=dtype)
         if tokenizer is None and (model is None or isinstance(model, str)):
             tokenizer = _load_tokenizer(model)
         self.model = model
         self.tokenizer = tokenizer
         config.max_model_len = min(max_model_len, cfg.max_position_embeddings)
-        self.engine = Engine(cfg, params, tokenizer, config)
+        with phase("building the engine (KV cache, device params)"):
+            self.engine = Engine(cfg, params, tokenizer, config)
         if warmup:
-            self.engine.warmup()
+            with phase("compiling the step shapes (once per process)") as info:
+                self.engine.warmup()
+                count = getattr(self.engine.runner, "num_compilations", None)
+                info["detail"] = f"{count()} executables" if count else ""
 
     @property
     def config(self):

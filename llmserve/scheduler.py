@@ -248,11 +248,14 @@ class Scheduler:
         parent = seq.fork_from
         if parent.status != Status.RUNNING or parent.num_computed < len(parent.prompt_ids):
             return False
-        self.blocks.fork(parent.seq_id, seq.seq_id)
-        # Re-feed the last prompt token so the child samples its own first token; its write
-        # into the shared last page is what copy-on-write protects.
-        self.blocks.truncate(seq.seq_id, len(seq.prompt_ids) - 1)
         try:
+            self.blocks.fork(parent.seq_id, seq.seq_id)
+        except NoFreePages:  # contiguous reservation: no room for the child's reserved pages
+            return False
+        try:
+            # Re-feed the last prompt token so the child samples its own first token; its write
+            # into the shared last page is what copy-on-write protects.
+            self.blocks.truncate(seq.seq_id, len(seq.prompt_ids) - 1)
             copies.extend(self.blocks.append(seq.seq_id, 1))
         except NoFreePages:
             self.blocks.free(seq.seq_id)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import jax
@@ -46,6 +47,9 @@ from llmserve.training import (
     train,
 )
 from llmserve.training import prompts as prompt_lib
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments import common  # noqa: E402  (the repository root, for `python scripts/...`)
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/distill_draft.py:cpu",
                                           "distillation config", lock_config=True)
@@ -263,11 +267,16 @@ def main(argv):
                   "last": history[-1] if history else None},
         "times_s": times, "paths": paths,
         "device": jax.devices()[0].device_kind, "jax": jax.__version__}
-    os.makedirs(config.results_dir, exist_ok=True)
-    out = os.path.join(config.results_dir, f"{config.name}.json")
-    with open(out, "w") as f:
-        json.dump(summary, f, indent=2)
-    logging.info("wrote %s (%.0f s total)", out, times["total_s"])
+    out = common.run_dir("distill", config.results_root or None)
+    png = common.loss_curve(out, history, f"distill {config.name}: {cfg.n_layers}-layer draft, "
+                            f"{cfg.num_params() / 1e6:.1f}M params")
+    headline = {f"{name}_token_match_rate": r["token_match_rate"]
+                for name, r in results.items()}
+    headline.update({f"{name}_mean_accepted_len": r["mean_accepted_len"]
+                     for name, r in results.items()})
+    path = common.write_results(out, "distill", config, summary, headline, [], [png],
+                                history=history)
+    logging.info("wrote %s and %s (%.0f s total)", path, png, times["total_s"])
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ r"""Train a small Llama-style language model from scratch on local text.
 
 from __future__ import annotations
 
-import json
 import os
+import sys
 import time
 
 import jax
@@ -41,6 +41,9 @@ from llmserve.training import (
 )
 from llmserve.training import prompts as prompt_lib
 from llmserve.training.bpe import train_bpe_tokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments import common  # noqa: E402  (the repository root, for `python scripts/...`)
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train_lm.py:cpu",
                                           "training config", lock_config=True)
@@ -157,11 +160,13 @@ def main(argv):
                          "last": history[-1] if history else None},
                "sample": config.sample_prompt + sample, "train_s": train_s,
                "total_s": time.perf_counter() - t_start, "paths": paths}
-    os.makedirs(config.results_dir, exist_ok=True)
-    out = os.path.join(config.results_dir, f"{config.name}.json")
-    with open(out, "w") as f:
-        json.dump(summary, f, indent=2)
-    logging.info("wrote %s", out)
+    out = common.run_dir("train_lm", config.results_root or None)
+    png = common.loss_curve(out, history, f"train_lm {config.name}: {cfg.num_params() / 1e6:.2f}M "
+                            f"params, eval loss {loss_before:.2f} -> {loss_after:.2f}")
+    path = common.write_results(out, "train_lm", config, summary,
+                                {"eval_loss_init": loss_before, "eval_loss": loss_after,
+                                 "train_s": train_s}, [], [png], history=history)
+    logging.info("wrote %s and %s", path, png)
 
 
 if __name__ == "__main__":

@@ -519,3 +519,66 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=40, deadline=None
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+# ---------------------------------------------------------------- contiguous reservation
+
+
+def test_contiguous_reserves_max_len_at_admission_and_never_grows():
+    bm = BlockManager(num_pages=9, page_size=L, reservation="contiguous", max_model_len=10)
+    assert bm.allocate("a", [1, 2]) == 0
+    assert len(bm.block_table("a")) == 3  # ceil(10 / 4), not ceil(2 / 4)
+    free = bm.num_free_pages
+    for _ in range(8):  # up to max_model_len: no page taken, no copy
+        assert bm.append("a") == []
+    assert bm.num_free_pages == free and bm.num_tokens("a") == 10
+    bm.truncate("a", 3)  # a rollback keeps the reservation
+    assert len(bm.block_table("a")) == 3
+    bm.check_invariants()
+    bm.free("a")
+    assert bm.all_free()
+
+
+def test_contiguous_fits_fewer_sequences_than_paged():
+    def admitted(reservation):
+        bm = BlockManager(num_pages=17, page_size=L, reservation=reservation, max_model_len=32)
+        n = 0
+        while bm.can_allocate([5] * 6):
+            bm.allocate(n, [5] * 6)
+            n += 1
+        bm.check_invariants()
+        return n
+
+    assert admitted("paged") == 8  # 2 pages each
+    assert admitted("contiguous") == 2  # 8 pages each
+
+
+def test_contiguous_fork_shares_written_pages_and_reserves_the_rest():
+    bm = BlockManager(num_pages=12, page_size=L, reservation="contiguous", max_model_len=16)
+    allocate_committed(bm, "p", list(range(6)))  # 4 reserved pages, 2 written
+    bm.fork("p", "c")
+    parent, child = bm.block_table("p"), bm.block_table("c")
+    assert child[:2] == parent[:2] and not set(child[2:]) & set(parent)
+    bm.truncate("c", 5)
+    assert bm.append("c") == [(parent[1], bm.block_table("c")[1])]  # COW of the shared tail
+    bm.check_invariants()
+    for s in ("p", "c"):
+        bm.free(s)
+    assert bm.all_free()
+
+
+def test_contiguous_truncate_swaps_a_shared_page_for_a_private_one():
+    bm = BlockManager(num_pages=12, page_size=L, reservation="contiguous", max_model_len=16)
+    allocate_committed(bm, "p", list(range(5)))  # pages 0, 1 written (1 holds one token)
+    bm.fork("p", "c")
+    shared = bm.block_table("c")[1]
+    bm.truncate("c", 4)  # page 1 is past the new end and shared: the child gets its own
+    assert bm.block_table("c")[1] != shared and bm.block_table("p")[1] == shared
+    bm.check_invariants()
+
+
+def test_contiguous_needs_max_model_len_and_a_known_mode():
+    with pytest.raises(ValueError, match="max_model_len"):
+        BlockManager(4, L, reservation="contiguous")
+    with pytest.raises(ValueError, match="reservation"):
+        BlockManager(4, L, reservation="ring")

@@ -182,3 +182,22 @@ def test_paged_engine_matches_reference_with_other_backends(backend):
                                   for n in lens])
     want = generate_reference(params, cfg, prompts, max(lens))
     assert [o.outputs[0].token_ids for o in outs] == [w[:n] for w, n in zip(want, lens)]
+
+
+def test_contiguous_reservation_same_outputs_more_waste(tiny):
+    cfg, params = tiny
+    prompts, lens = random_workload(cfg, 12, seed=3)
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    paged = make_engine(cfg, params, num_pages=60)
+    contiguous = make_engine(cfg, params, num_pages=60, kv_reservation="contiguous")
+    want = run_all(paged, prompts, sps)
+    got = run_all(contiguous, prompts, sps)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    # 59 pages of 4 hold two 96-token reservations (24 pages each) at a time.
+    assert contiguous.stats["max_decode_rows"] <= 2 < paged.stats["max_decode_rows"]
+    # n > 1: children share the written pages copy-on-write and reserve the rest privately.
+    sp = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    want = run_all(paged, [list(range(1, 11))], [sp])[0]
+    got = run_all(contiguous, [list(range(1, 11))], [sp])[0]
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    assert contiguous.blocks.all_free()

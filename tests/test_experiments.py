@@ -1,0 +1,123 @@
+"""Experiments: every config loads, every smoke variant runs and writes its results and plot.
+
+The smoke runs are subprocesses (absl programs) writing under a temporary results folder; the
+report is then built from them. Together they take about two minutes on 2 CPU cores.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
+# experiment -> (module to run, config file); train_lm/distill are scripts with a config too.
+SMOKE = {
+    "throughput": ("experiments.throughput", "throughput"),
+    "speculative": ("experiments.speculative", "speculative"),
+    "gqa": ("experiments.gqa", "gqa"),
+    "paged": ("experiments.paged", "paged"),
+    "kernels": ("experiments.kernels", "kernels"),
+    "train_lm": ("scripts.train_lm", "train_lm"),
+}
+RESULT_KEYS = ("experiment", "name", "command", "config", "machine", "versions", "results",
+               "summary", "notes", "plots")
+
+
+def load_config_module(name):
+    spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(ROOT, "configs",
+                                                                              f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_config_loads_with_smoke_and_its_alias(name):
+    mod = load_config_module(name)
+    assert "python" in (mod.__doc__ or ""), "the docstring gives the exact command"
+    default = mod.get_config()
+    smoke = mod.get_config("smoke")
+    assert smoke.name == "smoke" and default.name != "smoke"
+    assert mod.get_config("runlocal").to_dict() == smoke.to_dict()  # one meaning everywhere
+    with pytest.raises(ValueError, match=name.split("_")[0]):
+        mod.get_config("no-such-variant")
+
+
+def test_every_config_has_a_smoke_test_or_is_distill():
+    assert set(CONFIGS) - {c for _, c in SMOKE.values()} == {"distill_draft"}
+
+
+@pytest.fixture(scope="module")
+def smoke_results(tmp_path_factory):
+    """Runs every experiment's smoke variant once; returns the results root."""
+    root = tmp_path_factory.mktemp("results")
+    env = dict(os.environ, LLMSERVE_RESULTS=str(root), JAX_PLATFORMS="cpu")
+    for experiment, (module, config) in SMOKE.items():
+        cmd = [sys.executable, "-m", module, f"--config=configs/{config}.py:smoke"]
+        if experiment == "train_lm":
+            cmd.append(f"--config.workdir={root / 'ckpt_train_lm'}")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, f"{experiment}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        assert "Unable to initialize backend 'tpu'" not in proc.stderr
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", sorted(SMOKE))
+def test_smoke_run_writes_results_and_a_plot(smoke_results, experiment):
+    base = smoke_results / experiment
+    (run,) = os.listdir(base)  # one timestamped folder per run
+    data = json.loads((base / run / "results.json").read_text())
+    assert set(RESULT_KEYS) <= set(data)
+    assert data["experiment"] == experiment and data["name"] == "smoke"
+    assert data["summary"] and data["plots"]
+    for png in data["plots"]:
+        assert (base / run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["versions"]["jax"] and data["machine"]["cpu_count"]
+
+
+@pytest.mark.slow
+def test_smoke_throughput_systems_agree_and_are_interleaved(smoke_results):
+    base = smoke_results / "throughput"
+    data = json.loads((base / os.listdir(base)[0] / "results.json").read_text())
+    rows = data["results"]
+    assert {"llmserve_continuous", "llmserve_static", "hf_single", "hf_batch"} <= set(rows)
+    for name, row in rows.items():
+        assert row["tokens_per_s"]["n"] == data["config"]["repeats"] >= 3
+        if "agreement" in row:  # same random weights in llmserve and HF: same greedy tokens
+            assert row["agreement"]["exact"] == row["agreement"]["compared"], name
+    assert rows["hf_single"]["extrapolated"] is True
+    assert any("extrapolated" in n for n in data["notes"])
+    assert data["ideal_schedule"][0]["wall_s"] > 0
+
+
+@pytest.mark.slow
+def test_report_collects_the_table_and_updates_the_readme(smoke_results, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- results:begin -->\nold\n<!-- results:end -->\ntail\n")
+    docs = tmp_path / "docs"
+    proc = subprocess.run([sys.executable, "-m", "experiments.report",
+                           f"--results={smoke_results}", f"--docs={docs}",
+                           f"--readme={readme}", "--allow_smoke"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = (docs / "results.md").read_text()
+    for technique in ("Flash attention", "GQA / MQA", "Speculative decoding", "PagedAttention",
+                      "Continuous batching", "All of them"):
+        assert technique in doc
+    assert "memory, CPU" in doc and "not yet measured" in doc  # no GPU run here
+    assert "python -m experiments.paged --config=configs/paged.py" in doc
+    assert sorted(os.listdir(docs / "img"))
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("intro\n") and text.endswith("tail\n")
+    assert "| PagedAttention |" in text
+
+
+@pytest.mark.parametrize("script", ["scripts/gpu_check.sh", "scripts/bench_vllm_cpu.sh"])
+def test_shell_scripts_parse(script):
+    assert subprocess.run(["bash", "-n", os.path.join(ROOT, script)]).returncode == 0
