@@ -29,11 +29,13 @@ import ml_collections
 
 
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
-    """Returns the benchmark config; ``arg`` is ``default`` or ``smoke``."""
+    """Returns the benchmark config; ``arg`` is ``default`` or ``smoke`` (alias ``runlocal``)."""
+    arg = {"runlocal": "smoke"}.get(arg, arg)
+    if arg not in ("default", "smoke"):
+        raise ValueError(f"serving config arg {arg!r}: use default or smoke")
     smoke = arg == "smoke"
     c = ml_collections.ConfigDict()
     c.name = arg
-    c.out_dir = "results/serving"
     c.url = ""  # "" = start the server in this process
     # "" = SmolLM2-135M-Instruct; "tiny-random" = a random 2-layer model with SmolLM2's tokenizer
     c.model = "tiny-random" if smoke else ""

@@ -274,12 +274,13 @@ def main(argv):
     finally:
         if srv is not None:
             srv.stop()
-    out = os.path.join(c.out_dir, time.strftime("%Y%m%d-%H%M%S"))
+    out = common.run_dir("serving")
     desc = (f"{name}, {c.num_prompts} requests per rate, prompts {tuple(c.prompt_len)} tokens "
             f"or chat, {tuple(c.new_tokens)} new tokens, max_num_seqs={c.server.max_num_seqs}")
-    common.write_json(os.path.join(out, "results.json"),
-                      {"config": c.to_dict(), "model": name, "rows": rows})
-    plot(os.path.join(out, "latency.png"), rows, desc)
+    png = plot(os.path.join(out, "latency.png"), rows, desc)
+    best = max(rows, key=lambda r: r.get("output_throughput", 0) or 0) if rows else {}
+    summary = {k: v for k, v in best.items() if isinstance(v, (int, float))}
+    common.write_results(out, "serving", c, rows, summary, [desc], [png], model=name)
     print(f"\n{desc}\n\n{table(rows)}\n\nwrote {out}/results.json and latency.png")
 
 

@@ -144,8 +144,7 @@ class VerifyProbe:
         self.carried = {kind: [0] * k for kind in KINDS}  # rows carrying draft j
         self.accepted = {kind: [0] * k for kind in KINDS}  # rows accepting draft j
         self.rows = {kind: 0 for kind in KINDS}  # verify rows (any number of drafts)
-        accept, run_verify, run_decode = (engine._accept_verified, engine._run_verify,
-                                          engine._run_decode)
+        accept, execute = engine._accept_verified, engine._execute
 
         def probed_accept(seq, res, i):
             kind = self.kind_of.get(seq.request_id, "chat")
@@ -156,15 +155,13 @@ class VerifyProbe:
                 self.accepted[kind][j] += int(acc > j)
             return accept(seq, res, i)
 
-        def counted(kind, fn):
-            def wrapper(plan):
-                self.calls[kind] += 1
-                return fn(plan)
-            return wrapper
+        def counted(plan):
+            if plan.decode:
+                self.calls["verify" if plan.lookahead else "decode"] += 1
+            return execute(plan)
 
         engine._accept_verified = probed_accept
-        engine._run_verify = counted("verify", run_verify)
-        engine._run_decode = counted("decode", run_decode)
+        engine._execute = counted
 
     def per_position(self, kinds=KINDS) -> list[Optional[float]]:
         """Acceptance of draft j (j = 0..K-1) over the verify rows that carried it."""

@@ -1,9 +1,10 @@
 """Engine: add_request / step / abort. Ties the scheduler, block manager and runner together.
 
-Each ``step()`` asks the scheduler for a plan, copies pages for copy-on-write, fills the fixed
-shape host arrays, runs the jitted decode and prefill steps, fetches the sampled tokens in one
-transfer per step, and applies stop conditions. Bad input is rejected in ``add_request`` with a
-``ValueError`` before anything is queued, so the engine keeps serving everyone else.
+``step()`` is three moves: the scheduler plans (which sequences decode, which prefill a chunk),
+the runner runs ONE jitted device step over all of it (copy-on-write copies first), and the
+output processor turns the sampled tokens into ``RequestOutput``s (detokenization, stop checks).
+Bad input is rejected in ``add_request`` with a ``ValueError``/``TypeError`` before anything is
+queued, so the engine keeps serving everyone else.
 """
 
 from __future__ import annotations
@@ -14,13 +15,22 @@ import numbers
 import time
 from typing import Optional, Sequence, Union
 
-import jax
 import numpy as np
 
 from llmserve.block_manager import BlockManager
 from llmserve.config import ModelConfig
-from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from llmserve.runner import MAX_SUPPRESS_IDS, Runner, ScheduledRow, padded_verify_rows, part_arrays
+from llmserve.outputs import OutputProcessor, RequestOutput, RequestState
+from llmserve.runner import (
+    MAX_SUPPRESS_IDS,
+    Runner,
+    ScheduledRow,
+    device_memory_bytes,
+    fetch,
+    padded_verify_rows,
+    part_arrays,
+    tree_bytes,
+    wait,
+)
 from llmserve.sampling_params import SamplingParams, child_seed, request_seed
 from llmserve.scheduler import Plan, Scheduler
 from llmserve.scheduler import Sequence as Seq
@@ -111,51 +121,6 @@ class EngineConfig:
         return self.max_num_seqs * -(-self.max_model_len // self.page_size) + 1
 
 
-def device_memory_bytes() -> int:
-    """Memory of the default device: its allocator's limit on an accelerator, else the
-    system's available memory (``MemAvailable``, or total RAM where /proc is absent)."""
-    stats = None
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:  # CPU devices have no memory stats
-        pass
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-class _VerifyRow:
-    """Adapts row i, position j of a verify result to the fields ``_append_token`` reads."""
-
-    def __init__(self, res, i: int, j: int):
-        self.tokens = [int(res.out_tokens[i][j])]
-        self.logprobs = [float(res.logprobs[i][j])]
-        self.top_ids = [[]]
-        self.top_logprobs = [[]]
-
-
-@dataclasses.dataclass
-class _Request:
-    request_id: str
-    prompt: Optional[str]
-    prompt_ids: list[int]
-    params: SamplingParams
-    seqs: list[Seq]
-    metrics: RequestMetrics
-    detok: list
-    texts: list[str]
-    stop_from: list[int]  # per completion: stop strings may only match from here (min_tokens)
-
-
 class Engine:
     """The serving loop over one model: requests join and leave at every step."""
 
@@ -175,9 +140,7 @@ class Engine:
                                                        max_model_len=cfg.sliding_window)
         self.tokenizer = tokenizer
         backend = check_backend(config.backend or default_backend())
-        weight_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-                           for x in jax.tree_util.tree_leaves(params))
-        num_pages = config.resolve_num_pages(cfg, weight_bytes)
+        num_pages = config.resolve_num_pages(cfg, tree_bytes(params))
         pages_per_seq = -(-config.max_model_len // config.page_size)
         if num_pages < pages_per_seq + 1:
             raise ValueError(
@@ -198,12 +161,14 @@ class Engine:
             self.blocks, max_slots=config.max_num_seqs,
             max_prefill_rows=self.runner.max_prefill_rows, max_chunk=self.runner.max_chunk,
             max_num_batched_tokens=config.max_num_batched_tokens, policy=config.scheduling)
-        self.requests: dict[str, _Request] = {}
         self.stats = {"steps": 0, "decode_rows": 0, "decode_slots": 0, "prefill_tokens": 0,
                       "prefill_slots": 0, "preemptions": 0, "generated_tokens": 0}
         self._eos = set(cfg.eos_token_ids)
         if tokenizer is not None:
             self._eos |= set(getattr(tokenizer, "stop_token_ids", None) or [])
+        self.outputs = OutputProcessor(tokenizer, self._eos, config.max_model_len, self._finish,
+                                       self.stats)
+        self.requests = self.outputs.requests  # request_id -> RequestState, while in flight
         self._counter = 0
         self._aborted: list[RequestOutput] = []  # final outputs the next step() reports
         self.spec = None
@@ -243,11 +208,11 @@ class Engine:
         for b in self.runner.decode_buckets:
             for attempt in range(2):  # only the second run is timed: the first compiles
                 t0 = time.perf_counter()
-                jax.block_until_ready(self.runner.run(self.runner.empty_batch((b, None))).tokens)
+                wait(self.runner.run(self.runner.empty_batch((b, None))))
                 t_decode = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 out = self._verify_rows([], b)
-                jax.block_until_ready(out.out_tokens)
+                wait(out)
                 if attempt == 1:
                     self.policy.time("decode", b, t_decode)
                     self.policy.time("verify", b, time.perf_counter() - t0)
@@ -342,15 +307,7 @@ class Engine:
             if i > 0:
                 seq.fork_from = seqs[0]
             seqs.append(seq)
-        detok = []
-        if self.tokenizer is not None:
-            from llmserve.tokenizer import IncrementalDetokenizer
-
-            detok = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-                     for _ in seqs]
-        self.requests[request_id] = _Request(request_id, text, ids, params, seqs,
-                                             RequestMetrics(arrival_time=time.time()), detok,
-                                             ["" for _ in seqs], [0 for _ in seqs])
+        self.outputs.add(request_id, text, ids, params, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
@@ -364,7 +321,7 @@ class Engine:
         for seq in req.seqs:
             if not seq.finished:
                 self._finish(seq, "abort")
-        self._aborted.append(self._output(req))
+        self._aborted.append(self.outputs.output(req))
 
     def _finish(self, seq: Seq, reason: str, stop_reason=None) -> None:
         self.scheduler.finish(seq, reason, stop_reason)
@@ -377,23 +334,36 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduling iteration; returns the requests that progressed."""
-        aborted, self._aborted = self._aborted, []
+        """One iteration: schedule, run one device step, turn its tokens into outputs.
+
+        Returns every request that progressed (and those aborted since the last step).
+        """
+        plan = self._schedule()
+        results = self._execute(plan)
+        return self._process(results)
+
+    def _schedule(self) -> Plan:
         lookahead = self._lookahead()
         plan = self.scheduler.schedule(lookahead, self.config.max_model_len)
+        plan.lookahead = lookahead
         self.stats["preemptions"] += len(plan.preempted)
+        return plan
+
+    def _execute(self, plan: Plan) -> list[tuple]:
+        """Runs the plan on the device; returns (kind, rows, row offset, host result) per kind
+        of row, fetched in one transfer."""
         if plan.empty:
-            return aborted
+            return []
         self.runner.copy_pages(plan.copies)
         self._init_penalty_rows(plan)
         if self.spec is not None and plan.copies and hasattr(self.proposer, "copy_pages"):
             src, dst = zip(*plan.copies)
-            self.proposer.copy_pages(jax.numpy.asarray(src), jax.numpy.asarray(dst))
+            self.proposer.copy_pages(np.asarray(src, np.int32), np.asarray(dst, np.int32))
         prefill = [self._row(c.seq, c.start, c.seq.all_ids[c.start:c.start + c.length],
                              c.final) for c in plan.prefill]
         self._note_prefill(plan)
         t0 = time.perf_counter()
-        if plan.decode and lookahead:
+        if plan.decode and plan.lookahead:
             # A verify step is its own call until speculation moves into the unified step.
             result = self._run_verify(plan)
             outs = [("verify", plan.decode, 0)]
@@ -406,38 +376,38 @@ class Engine:
             result = self._run_step(decode, prefill)  # ONE call: decode rows + prefill chunks
             offset = self.runner.decode_bucket(len(decode)) if decode else 0
             outs = [("decode", plan.decode, 0), ("prefill", plan.prefill, offset)]
-        fetched = jax.device_get(result)  # one transfer for the whole step
+        fetched = fetch(result)  # one transfer for the whole step
         if not isinstance(fetched, tuple):
             fetched = (fetched, fetched)
         if self.spec is not None and plan.decode:
             elapsed = time.perf_counter() - t0
-            key = "spec_verify_time_s" if lookahead else "spec_decode_time_s"
+            key = "spec_verify_time_s" if plan.lookahead else "spec_decode_time_s"
             self.stats[key] = self.stats.get(key, 0.0) + elapsed  # draft + verify, or decode
             if not plan.prefill:
-                self.policy.time("verify" if lookahead else "decode",
+                self.policy.time("verify" if plan.lookahead else "decode",
                                  self.runner.decode_bucket(len(plan.decode)), elapsed)
-        touched: dict[str, _Request] = {}
-        for (kind, rows, offset), res in zip(outs, fetched):
-            if kind == "verify":
-                for i, seq in enumerate(rows):
-                    self._accept_verified(seq, res, i)
-                    touched[seq.request_id] = self.requests.get(seq.request_id)
-                continue
-            for i, row in enumerate(rows):
-                if kind == "decode":
-                    seq = row
-                    seq.num_computed += 1
-                    emit = True
-                else:
-                    seq = row.seq
-                    seq.num_computed += row.length
-                    emit = row.final
-                self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_computed)
-                if emit and not seq.finished:
-                    self._append_token(seq, res, offset + i)
-                touched[seq.request_id] = self.requests.get(seq.request_id)
         self.stats["steps"] += 1
-        return aborted + [self._output(r) for r in touched.values() if r is not None]
+        return [(kind, rows, offset, res) for (kind, rows, offset), res in zip(outs, fetched)]
+
+    def _process(self, results: list[tuple]) -> list[RequestOutput]:
+        """Commits computed tokens, appends sampled ones (stop checks), builds the outputs."""
+        aborted, self._aborted = self._aborted, []
+        touched: dict[str, RequestState] = {}
+        for kind, rows, offset, res in results:
+            for i, row in enumerate(rows):
+                if kind == "verify":
+                    seq = row
+                    self._accept_verified(seq, res, i)
+                else:
+                    seq = row if kind == "decode" else row.seq
+                    seq.num_computed += 1 if kind == "decode" else row.length
+                    self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_computed)
+                    if (kind == "decode" or row.final) and not seq.finished:
+                        j = offset + i
+                        self.outputs.append(seq, int(res.tokens[j]), float(res.logprobs[j]),
+                                            zip(res.top_ids[j], res.top_logprobs[j]))
+                touched[seq.request_id] = self.requests.get(seq.request_id)
+        return aborted + [self.outputs.output(r) for r in touched.values() if r is not None]
 
     def _init_penalty_rows(self, plan: Plan) -> None:
         """Fills the penalty statistics of sequences (re)admitted this step from their whole
@@ -462,7 +432,7 @@ class Engine:
                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                 repetition_penalty=p.repetition_penalty, seed=seq.seed))
         if len(seq.output_ids) < p.min_tokens:
-            row.suppress_ids = sorted(self._stop_ids(seq))
+            row.suppress_ids = sorted(self.outputs.stop_ids(seq))
             row.suppress_until = p.min_tokens - len(seq.output_ids)
         return row
 
@@ -474,6 +444,8 @@ class Engine:
             self.stats["decode_slots"] += b
             self.stats["max_decode_rows"] = max(self.stats.get("max_decode_rows", 0),
                                                 len(decode))
+        if decode and prefill:
+            self.stats["mixed_steps"] = self.stats.get("mixed_steps", 0) + 1
         if prefill:
             part = batch.parts[-1]
             self.stats["prefill_tokens"] += sum(len(r.tokens) for r in prefill)
@@ -484,7 +456,7 @@ class Engine:
 
     def _mirror_prefill(self, batch, part: int) -> None:
         """The draft model writes the same prompt chunks into its own cache."""
-        self.proposer.prefill(*(jax.numpy.asarray(a) for a in part_arrays(batch, part)))
+        self.proposer.prefill(*part_arrays(batch, part))
 
     def _note_prefill(self, plan: Plan) -> None:
         now = time.time()
@@ -546,10 +518,8 @@ class Engine:
                 n_valid[i] = n
             (part,) = batch.parts
             proposal = self.proposer.propose(ProposeInput(
-                token_ids=[], tail=jax.numpy.asarray(tail), q_start=jax.numpy.asarray(q_start),
-                n_valid=jax.numpy.asarray(n_valid),
-                block_tables=jax.numpy.asarray(part.block_tables),
-                sampling=jax.device_put(batch.sampling)))
+                token_ids=[], tail=tail, q_start=q_start, n_valid=n_valid,
+                block_tables=part.block_tables, sampling=batch.sampling))
             drafts, probs = proposal.tokens, proposal.probs
         self._num_draft = num  # host copy: how many drafts each row carried this step
         return self.runner.run_verify(batch, drafts, num, probs)
@@ -559,7 +529,7 @@ class Engine:
         n = int(res.num_accepted[i])
         proposed = int(np.count_nonzero(res.out_tokens[i] >= 0)) - 1
         req = self.requests.get(seq.request_id)
-        drafted = self._last_num_draft(seq, res, i)
+        drafted = int(self._num_draft[i])
         self.policy.record(seq.seq_id, drafted, n)
         if req is not None:
             req.metrics.spec_proposed += drafted
@@ -578,98 +548,10 @@ class Engine:
         for j in range(proposed + 1):
             if seq.finished:
                 break
-            self._append_token(seq, _VerifyRow(res, i, j), 0)
+            self.outputs.append(seq, int(res.out_tokens[i][j]), float(res.logprobs[i][j]))
         if not seq.finished:
             self.blocks.truncate(seq.seq_id, seq.num_computed)
             self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_computed)
-
-    def _last_num_draft(self, seq: Seq, res, i: int) -> int:
-        return int(self._num_draft[i])
-
-    def _stop_ids(self, seq: Seq) -> set:
-        ids = set(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
-            ids |= self._eos
-        return ids
-
-    def _append_token(self, seq: Seq, res, i: int) -> None:
-        token = int(res.tokens[i])
-        p = seq.params
-        seq.output_ids.append(token)
-        self.stats["generated_tokens"] += 1
-        if p.logprobs is not None:
-            entry = {token: float(res.logprobs[i])}
-            for tid, lp in zip(res.top_ids[i][: p.logprobs], res.top_logprobs[i][: p.logprobs]):
-                entry.setdefault(int(tid), float(lp))
-            seq.logprobs.append(entry)
-        seq.cumulative_logprob += float(res.logprobs[i])
-        req = self.requests.get(seq.request_id)
-        if req is not None and req.metrics.first_token_time is None:
-            req.metrics.first_token_time = time.time()
-        n_out = len(seq.output_ids)
-        prev_len = 0
-        if req is not None and req.detok:
-            prev_len = len(req.texts[seq.index])
-            req.texts[seq.index] += req.detok[seq.index].add(token)
-            if n_out == p.min_tokens:
-                req.stop_from[seq.index] = len(req.texts[seq.index])
-        if n_out >= p.min_tokens and token in self._stop_ids(seq):
-            self._finish(seq, "stop", token)
-        elif req is not None and p.stop and n_out >= p.min_tokens and \
-                self._hit_stop_str(req, seq, prev_len):
-            pass
-        elif (p.max_tokens is not None and n_out >= p.max_tokens) or \
-                seq.num_tokens >= self.config.max_model_len:
-            self._finish(seq, "length")
-
-    def _hit_stop_str(self, req: _Request, seq: Seq, prev_len: int) -> bool:
-        """Ends ``seq`` at the first stop string that ends in the text this token added.
-
-        A match may start in earlier text only as far back as the stop string reaches
-        (``prev_len - len(stop) + 1``), and never before the text of the first ``min_tokens``
-        tokens (``stop_from``): text already returned is never cut retroactively.
-        """
-        text = req.texts[seq.index]
-        best = None
-        for s in seq.params.stop:
-            pos = text.find(s, max(prev_len - len(s) + 1, req.stop_from[seq.index], 0))
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, s)
-        if best is None:
-            return False
-        pos, s = best
-        keep = pos + len(s) if seq.params.include_stop_str_in_output else pos
-        req.texts[seq.index] = text[:keep]
-        self._finish(seq, "stop", s)
-        return True
-
-    def _output(self, req: _Request) -> RequestOutput:
-        outs = []
-        for seq in req.seqs:
-            if req.detok:
-                text = req.texts[seq.index]
-            elif self.tokenizer is not None:
-                text = self.tokenizer.decode(seq.output_ids,
-                                             skip_special_tokens=seq.params.skip_special_tokens)
-            else:
-                text = ""
-            outs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_ids),
-                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                cumulative_logprob=seq.cumulative_logprob))
-        finished = all(s.finished for s in req.seqs)
-        req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)
-        req.metrics.num_cached_tokens = req.seqs[0].num_cached
-        if finished:
-            for seq in req.seqs:  # emit text held back for an incomplete character
-                if req.detok and not isinstance(seq.stop_reason, str):
-                    outs[seq.index].text += req.detok[seq.index].flush()
-            req.metrics.finished_time = req.metrics.finished_time or time.time()
-            self.requests.pop(req.request_id, None)
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
-                             prompt_token_ids=list(req.prompt_ids), outputs=outs,
-                             finished=finished, metrics=req.metrics)
 
     def spec_metrics(self) -> dict:
         """Speculative decoding so far: acceptance rate, mean accepted length per verify row,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import os
 from typing import Optional, Sequence
 
 import flax.struct
@@ -406,3 +407,39 @@ def padded_verify_rows(rows: Sequence[ScheduledRow], num_draft: Optional[np.ndar
         k = 0 if num_draft is None else int(num_draft[i])
         out.append(dataclasses.replace(row, tokens=list(row.tokens) + [0] * min(k, width - 1)))
     return out
+
+
+def fetch(tree):
+    """Device results to host numpy, in one transfer."""
+    return jax.device_get(tree)
+
+
+def wait(tree) -> None:
+    """Blocks until every array of ``tree`` is computed (timing, warm-up)."""
+    jax.block_until_ready(tree)
+
+
+def tree_bytes(tree) -> int:
+    """Bytes held by the arrays of a pytree (e.g. the weights)."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(tree))
+
+
+def device_memory_bytes() -> int:
+    """Memory of the default device: its allocator's limit on an accelerator, else the
+    system's available memory (``MemAvailable``, or total RAM where /proc is absent)."""
+    stats = None
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # CPU devices have no memory stats
+        pass
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

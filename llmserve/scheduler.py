@@ -90,6 +90,7 @@ class Plan:
     prefill: list[PrefillChunk]
     copies: list[tuple[int, int]]
     preempted: list[Sequence]
+    lookahead: int = 0  # > 0: decode rows verify this many drafts (speculative decoding)
 
     @property
     def empty(self) -> bool:

@@ -158,7 +158,7 @@ def tiny_llm(**kw):
     (dict(max_num_batched_tokens=0), ValueError, "max_num_batched_tokens"),
     (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=NAN), ValueError, "gpu_memory_utilization"),
-    (dict(gpu_memory_utilization=0.5, num_pages=100), ValueError, "at most one"),
+    (dict(gpu_memory_utilization=0.5, num_pages=1000), ValueError, "at most one"),
     (dict(scheduling="fifo"), ValueError, "scheduling"),
     (dict(backend="cuda"), ValueError, "unknown attention backend"),
     (dict(backend="pallas"), ValueError, "pallas_interpret"),
@@ -179,7 +179,7 @@ def test_llm_accepts_the_canonical_vllm_snippet():
     eng = llm.engine
     assert eng.config.max_model_len == 256 and eng.spec.num_speculative_tokens == 3
     assert eng.spec.method == "ngram"
-    from llmserve.engine import device_memory_bytes
+    from llmserve.runner import device_memory_bytes
 
     weights = sum(x.size * x.dtype.itemsize for x in
                   __import__("jax").tree_util.tree_leaves(eng.runner.params))

@@ -52,11 +52,26 @@ def test_greedy_matches_reference_under_continuous_batching(tiny):
     outs = run_all(eng, prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                                   for n in lens])
     assert eng.runner.num_compilations() == compiles  # nothing compiled after warm-up
+    # Decode rows and prefill chunks shared steps: one device call each, weights read once.
+    assert eng.stats["mixed_steps"] > 5
     want = generate_reference(params, cfg, prompts, max(lens))  # one padded batch
     for n, w, o in zip(lens, want, outs):
         assert o.outputs[0].token_ids == w[:n]
         assert o.outputs[0].finish_reason == "length"
     assert eng.blocks.all_free()
+
+
+def test_warmup_compiles_every_step_shape_once(tiny):
+    """The compiled shapes are exactly ``step_shapes()``: decode buckets x prefill buckets
+    (plus each alone); a second engine of the same shapes compiles nothing."""
+    cfg, params = tiny
+    eng = make_engine(cfg, params)
+    shapes = eng.runner.step_shapes()
+    assert len(shapes) == 4 * 3 - 1  # decode {0, 2, 4, 8} x prefill {none, 1x8, 4x16}
+    assert (8, (4, 16)) in shapes and (0, (1, 8)) in shapes and (2, None) in shapes
+    before = eng.runner.num_compilations()
+    make_engine(cfg, params)
+    assert eng.runner.num_compilations() == before
 
 
 def test_preemption_completes_everything_identically(tiny):

@@ -21,6 +21,7 @@ SMOKE = {
     "gqa": ("experiments.gqa", "gqa"),
     "paged": ("experiments.paged", "paged"),
     "kernels": ("experiments.kernels", "kernels"),
+    "serving": ("experiments.serving", "serving"),
     "train_lm": ("scripts.train_lm", "train_lm"),
 }
 RESULT_KEYS = ("experiment", "name", "command", "config", "machine", "versions", "results",
