@@ -305,6 +305,14 @@ class BlockManager:
 
     # ---------------------------------------------------------------- page primitives
 
+    def drop_prefix_cache(self) -> None:
+        """Forgets every cached-free page (their K/V is gone, e.g. after the device state was
+        rebuilt); referenced pages keep their hashes until released."""
+        while self._cached:
+            page, _ = self._cached.popitem(last=False)
+            self._unhash(page)
+            self._free.append(page)
+
     def _take(self) -> int:
         """A fresh page (refcount 1): a free one, else evict the least recently used cached one."""
         if self._free:

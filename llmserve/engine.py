@@ -171,6 +171,7 @@ class Engine:
         self.requests = self.outputs.requests  # request_id -> RequestState, while in flight
         self._counter = 0
         self._aborted: list[RequestOutput] = []  # final outputs the next step() reports
+        self._inflight: Optional[Plan] = None
         self.spec = None
         if config.speculative_config is not None:
             self._init_speculation(config.speculative_config, num_pages, backend)
@@ -323,6 +324,27 @@ class Engine:
                 self._finish(seq, "abort")
         self._aborted.append(self.outputs.output(req))
 
+    def recover(self) -> list[str]:
+        """Makes the engine serve again after ``step()`` raised (a device error).
+
+        The requests of the failed step are aborted (their final outputs come with the next
+        step) and returned; every other running sequence is preempted and recomputes later,
+        so no other accepted request is lost. The cache and sampler state are rebuilt (the
+        failed step may have consumed the donated buffers) and the prefix cache is dropped.
+        """
+        plan, self._inflight = self._inflight, None
+        failed = set()
+        if plan is not None:
+            failed = ({s.request_id for s in plan.decode}
+                      | {c.seq.request_id for c in plan.prefill})
+        for rid in sorted(failed):
+            self.abort(rid)
+        for seq in list(self.scheduler.running):
+            self.scheduler.preempt(seq)
+        self.runner.reset()
+        self.blocks.drop_prefix_cache()
+        return sorted(failed)
+
     def _finish(self, seq: Seq, reason: str, stop_reason=None) -> None:
         self.scheduler.finish(seq, reason, stop_reason)
         if self.spec is not None:
@@ -347,6 +369,7 @@ class Engine:
         plan = self.scheduler.schedule(lookahead, self.config.max_model_len)
         plan.lookahead = lookahead
         self.stats["preemptions"] += len(plan.preempted)
+        self._inflight = plan  # until its outputs are processed (see ``recover``)
         return plan
 
     def _execute(self, plan: Plan) -> list[tuple]:
@@ -392,6 +415,7 @@ class Engine:
     def _process(self, results: list[tuple]) -> list[RequestOutput]:
         """Commits computed tokens, appends sampled ones (stop checks), builds the outputs."""
         aborted, self._aborted = self._aborted, []
+        self._inflight = None
         touched: dict[str, RequestState] = {}
         for kind, rows, offset, res in results:
             for i, row in enumerate(rows):

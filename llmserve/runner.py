@@ -375,6 +375,12 @@ class Runner:
             self.sstate = _init_sampler_rows(self.sstate, jnp.asarray(slots), jnp.asarray(ids),
                                              jnp.asarray(n_prompt), jnp.asarray(n_total))
 
+    def reset(self) -> None:
+        """Fresh (zeroed) cache and sampler state, e.g. after a failed step consumed the
+        donated buffers; compiled steps are kept."""
+        self.cache = PagedKVCache.create(self.cfg, self.cache.num_pages, self.page_size)
+        self.sstate = SamplerState.create(self.max_slots, self.cfg.vocab_size)
+
     def warmup(self) -> None:
         """Compiles every step shape once (all rows padding: writes go to the dummy page)."""
         for shape in self.step_shapes():

@@ -429,46 +429,21 @@ class EngineLoop:
             stream.last_time, stream.num_tokens = now, n
 
     def _fail_all(self, error: Exception) -> None:
-        """A failed step: every request in the engine gets a 500; the device state is rebuilt."""
+        """A failed step: its requests get a 500; the engine rebuilds its device state and
+        every other request keeps going (preempted and recomputed)."""
         self.step_errors += 1
         logging.getLogger(__name__).exception("engine step failed; failing its requests")
-        for rid in list(self._streams):
-            stream = self._streams[rid]
+        try:
+            failed = self.engine.recover()
+        except Exception:  # noqa: BLE001 - keep the loop alive; fail everything instead
+            logging.getLogger(__name__).exception("engine recovery failed")
+            failed = list(self._streams)
+        for rid in failed:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
             self._abort(rid)
             _put(stream, APIError(500, f"engine step failed: {error!r}", type="server_error"))
-        try:
-            recover(self.engine)
-        except Exception:  # noqa: BLE001 - keep the loop alive; the next step will tell
-            logging.getLogger(__name__).exception("engine recovery failed")
-
-
-def recover(engine) -> None:
-    """Makes the engine usable after a failed step.
-
-    ``engine.recover()`` when the engine has one. Otherwise a stopgap until it does: if the
-    failed step consumed its donated buffers, rebuild the paged cache and sampler state, and
-    drop the prefix cache (its hashed pages pointed at the lost KV).
-    """
-    if hasattr(engine, "recover"):
-        engine.recover()
-        return
-    import jax
-
-    runner = engine.runner
-    leaves = jax.tree_util.tree_leaves((runner.cache, runner.sstate))
-    if not any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
-        return
-    from llmserve.block_manager import BlockManager
-    from llmserve.kv_cache import PagedKVCache
-    from llmserve.runner import SamplerState
-
-    runner.cache = PagedKVCache.create(engine.cfg, engine.blocks.num_pages,
-                                       engine.blocks.page_size)
-    runner.sstate = SamplerState.create(runner.max_slots, engine.cfg.vocab_size)
-    if engine.blocks.all_free():
-        engine.blocks = engine.scheduler.blocks = BlockManager(
-            engine.blocks.num_pages, engine.blocks.page_size,
-            enable_prefix_caching=engine.blocks.enable_prefix_caching)
 
 
 def _resolve(aio: asyncio.AbstractEventLoop, fut: asyncio.Future, value=None, exc=None) -> None:

@@ -304,3 +304,35 @@ def test_every_eos_id_of_config_json_stops(hf_dir_factory, tmp_path):
     eng.warmup()
     out = run_all(eng, [[5, 6, 7]], [SamplingParams(temperature=0, max_tokens=8)])[0]
     assert out.outputs[0].token_ids == free[:4] and out.outputs[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------- device step errors
+def test_recover_after_a_failed_step_fails_only_that_step(tiny):
+    cfg, params = tiny
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    alone = run_all(make_engine(cfg, params), [[6, 7, 8]], [sp])[0].outputs[0].token_ids
+    eng = make_engine(cfg, params)
+    eng.add_request("old", [6, 7, 8], sp)
+    for _ in range(3):
+        eng.step()
+    eng.add_request("queued", [6, 7, 8], sp)
+    real_run = eng.runner.run
+
+    def broken(batch):  # consumes the donated buffers, then fails like a device error
+        for x in (*eng.runner.cache.k, *eng.runner.cache.v):
+            x.delete()
+        raise RuntimeError("injected device failure")
+
+    eng.runner.run = broken
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    eng.runner.run = real_run
+    failed = eng.recover()
+    assert "old" in failed  # it was in the failed step
+    outs = {o.request_id: o for o in drain(eng) if o.finished}
+    assert outs["old"].outputs[0].finish_reason == "abort"
+    if "queued" not in failed:  # not yet scheduled: it must complete normally
+        assert outs["queued"].outputs[0].token_ids == alone
+    eng.add_request("after", [6, 7, 8], sp)
+    assert [o for o in drain(eng) if o.finished][0].outputs[0].token_ids == alone
+    assert eng.blocks.all_free()
