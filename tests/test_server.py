@@ -343,18 +343,18 @@ def test_concurrent_streams_with_disconnects(setup):
 
 def test_step_failure_fails_its_requests_and_serving_continues(setup, client, monkeypatch):
     engine = setup["engine"]
-    real_step = engine.step
+    real_run = engine.runner.run
     calls = {"n": 0}
 
-    def failing_step():
+    def failing_run(batch):
         calls["n"] += 1
         if calls["n"] == 1:  # a device failure that also consumed the donated cache
             for x in jax.tree_util.tree_leaves(engine.runner.cache):
                 x.delete()
             raise RuntimeError("injected device failure")
-        return real_step()
+        return real_run(batch)
 
-    monkeypatch.setattr(engine, "step", failing_step)
+    monkeypatch.setattr(engine.runner, "run", failing_run)
     with pytest.raises(openai.InternalServerError, match="injected device failure"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
     assert setup["app"].state.loop.step_errors == 1
