@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from llmserve.ops import attention as attn
 from llmserve.ops import flash_attention as fa
 from llmserve.ops import paged_attention as pa
 
@@ -78,7 +77,7 @@ def memory_table() -> list[dict]:
         shapes = (spec((1, t, n, h), jnp.float32), spec((1, t, kh, h), jnp.float32),
                   spec((1, t, kh, h), jnp.float32), spec((1,), jnp.int32),
                   spec((1,), jnp.int32))
-        naive = temp_bytes(attn.attention_reference, *shapes)
+        naive = temp_bytes(fa.attention_reference, *shapes)
         ours = temp_bytes(fa.flash_attention_xla, *shapes)
         rows.append(dict(tokens=t, naive_temp_bytes=naive, xla_temp_bytes=ours,
                          ratio=naive / max(ours, 1)))

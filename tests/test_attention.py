@@ -48,8 +48,8 @@ BF16_PAGED = ("decode_smollm2_l16", "verify_t5_g4_l32")
 
 
 # The oracles, jitted once per shape (eager op-by-op dispatch is slower than compiling).
-attention_reference = jax.jit(attn.attention_reference)
-paged_attention_reference = jax.jit(attn.paged_attention_reference)
+attention_reference = jax.jit(fa.attention_reference)
+paged_attention_reference = jax.jit(pa.paged_attention_reference)
 
 
 def contiguous_inputs(case, dtype, seed=0):
@@ -165,8 +165,8 @@ class TestXlaChunked(AttentionSuite):
         return jax.jit(f)(*args)
 
     def paged(self, q, k_pages, v_pages, block_tables, q_start, lengths):
-        k = attn.gather_pages(k_pages, block_tables)
-        v = attn.gather_pages(v_pages, block_tables)
+        k = pa.gather_pages(k_pages, block_tables)
+        v = pa.gather_pages(v_pages, block_tables)
         return self.contiguous(q, k, v, q_start, lengths)
 
 
@@ -215,7 +215,7 @@ def test_xla_prefill_memory_at_16k_tokens():
     spec = jax.ShapeDtypeStruct
     shapes = (spec((1, t, n, h), jnp.float32), spec((1, t, kh, h), jnp.float32),
               spec((1, t, kh, h), jnp.float32), spec((1,), jnp.int32), spec((1,), jnp.int32))
-    naive = _temp_bytes(attn.attention_reference, *shapes)
+    naive = _temp_bytes(fa.attention_reference, *shapes)
     ours = _temp_bytes(fa.flash_attention_xla, *shapes)
     print(f"temp bytes at {t} tokens: naive {naive:,} vs flash_attention_xla {ours:,} "
           f"({naive / ours:.0f}x)")

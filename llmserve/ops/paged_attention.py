@@ -33,12 +33,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from llmserve.ops.attention import paged_attention_reference
-from llmserve.ops.flash_attention import (
-    _M_INIT,
-    _next_pow2,
+from llmserve.ops.flash_attention import attention_reference
+from llmserve.ops.online_softmax import (
+    M_INIT,
     finish,
     from_rows,
+    next_pow2,
     online_softmax_step,
     quiet_pallas_call,
     to_rows,
@@ -76,7 +76,7 @@ def _paged_kernel(q_start_ref, lengths_ref, block_table_ref, q_ref, k_pages_ref,
         return online_softmax_step(q, k, v, mask, carry, scale)
 
     carry = (jnp.zeros((rows, h), jnp.float32),
-             jnp.full((rows,), _M_INIT, jnp.float32),
+             jnp.full((rows,), M_INIT, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
     acc, _, l = lax.fori_loop(0, num_pages, body, carry)
     o_ref[...] = finish(acc, l).astype(o_ref.dtype)
@@ -113,7 +113,7 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, block_tables: Arra
         if val < 16 or val & (val - 1):
             raise ValueError(f"{name}={val} must be a power of two >= 16; pages {k_pages.shape}")
     g = n // kh
-    rows = max(16, _next_pow2(t * g))
+    rows = max(16, next_pow2(t * g))
     m = block_tables.shape[1]
     qr = to_rows(q, kh, rows)  # [B, K, R, H]
     lengths = jnp.minimum(lengths.astype(jnp.int32), m * page_size)
@@ -190,4 +190,24 @@ def paged_attention_xla(q: Array, k_pages: Array, v_pages: Array, block_tables: 
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-__all__ = ["paged_attention", "paged_attention_xla", "paged_attention_reference"]
+# ----------------------------------------------------------------------------------------------
+# Reference (the oracle)
+
+
+def gather_pages(pages: Array, block_tables: Array) -> Array:
+    """pages [K, P, L, H], block_tables [B, M] -> contiguous [B, M*L, K, H]."""
+    kh, _, size, h = pages.shape
+    b, m = block_tables.shape
+    g = pages[:, block_tables]  # [K, B, M, L, H]
+    return jnp.moveaxis(g, 0, 3).reshape(b, m * size, kh, h)
+
+
+def paged_attention_reference(q: Array, k_pages: Array, v_pages: Array, block_tables: Array,
+                              q_start: Array, lengths: Array) -> Array:
+    """q [B, T, N, H] over paged K/V [K, P, L, H] through block_tables [B, M] -> [B, T, N, H]."""
+    k = gather_pages(k_pages, block_tables)
+    v = gather_pages(v_pages, block_tables)
+    return attention_reference(q, k, v, q_start, lengths)
+
+
+__all__ = ["paged_attention", "paged_attention_xla", "paged_attention_reference", "gather_pages"]
