@@ -44,7 +44,7 @@ PAGED = [
     ("padding_slot_g3", 2, 5, 9, 3, 64, 16, 2, [0, 20], [0, 15]),
 ]
 BF16_CONTIGUOUS = ("prefill_smollm2_g3", "chunked_prefill_mqa_g4")
-BF16_PAGED = ("decode_smollm2_l16", "verify_t5_g4_l32")
+BF16_PAGED = tuple(c[0] for c in PAGED)  # every paged case also runs in bf16
 
 
 # The oracles, jitted once per shape (eager op-by-op dispatch is slower than compiling).
@@ -184,6 +184,16 @@ class TestPallasInterpret(AttentionSuite):
         args = contiguous_inputs(case, jnp.float32)
         out = attn.attention(*args, backend="pallas_interpret")
         assert_close(out, attention_reference(*args), jnp.float32)
+
+
+@pytest.mark.parametrize("case,dtype", _cases(PAGED, BF16_PAGED))
+@pytest.mark.parametrize("chunk,pack", [(1, True), (2, False)], ids=["c1", "c2_unpacked"])
+def test_xla_paged_loop_and_packing(case, dtype, chunk, pack):
+    """paged_attention_xla walking 1-2 pages per loop step (several trips, a partial last chunk),
+    with bf16 rows gathered packed as uint32 or not; same tolerance as the suite."""
+    args = paged_inputs(case, dtype)
+    f = functools.partial(pa.paged_attention_xla, pages_per_chunk=chunk, pack=pack)
+    assert_close(jax.jit(f)(*args), paged_attention_reference(*args), dtype)
 
 
 def test_shape_errors_name_the_shapes():

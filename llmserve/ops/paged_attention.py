@@ -138,54 +138,101 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, block_tables: Arra
     return from_rows(out, t, n)
 
 
+def page_rows(block_tables: Array, k_heads: int, num_pages: int) -> Array:
+    """block_tables [B, M] -> row ids [K, B, M] into pages viewed as [K*P, L*H].
+
+    Row k*P + page is page ``page`` of kv head k. Gathering whole rows of that 2-D view yields
+    [K, B, M, L*H] already in the (kv head, sequence) order the batched matmuls want, so the
+    gather is a plain row copy with no transposing copy after it.
+    """
+    heads = num_pages * jnp.arange(k_heads, dtype=jnp.int32)
+    return block_tables.astype(jnp.int32)[None] + heads[:, None, None]
+
+
+def _packed_rows(pages: Array, pack: bool) -> Array:
+    """pages [K, P, L, H] -> rows [K*P, L*H] or, for 16-bit dtypes when ``pack``, the same bytes
+    as uint32 [K*P, L*H/2]: XLA CPU's gather costs per element, so half the elements gathers
+    twice as fast."""
+    kh, num_pages, size, h = pages.shape
+    rows = pages.reshape(kh * num_pages, size * h)
+    if pack and pages.dtype.itemsize == 2:
+        rows = jax.lax.bitcast_convert_type(rows.reshape(kh * num_pages, size * h // 2, 2),
+                                            jnp.uint32)
+    return rows
+
+
+def _unpack(rows: Array, dtype, shape) -> Array:
+    """Gathered rows (maybe packed by ``_packed_rows``) -> ``shape`` in ``dtype``."""
+    if rows.dtype != dtype:
+        rows = jax.lax.bitcast_convert_type(rows, dtype)  # [..., W, 2]
+    return rows.reshape(shape)
+
+
+def _scores(qr: Array, k: Array) -> Array:
+    """qr [K, B, R, H], k [K, B, S, H] -> scores [K, B, R, S] float32.
+
+    XLA CPU is fastest with ``q @ K^T`` in bf16 but with ``K @ q^T`` (then a transpose of the
+    small result) in f32: several times faster there (experiments/kernels.py, decode roof).
+    """
+    if k.dtype == jnp.float32:
+        return jnp.swapaxes(jnp.einsum("KBSH,KBRH->KBSR", k, qr), 2, 3)
+    return jnp.einsum("KBRH,KBSH->KBRS", qr, k, preferred_element_type=jnp.float32)
+
+
 def paged_attention_xla(q: Array, k_pages: Array, v_pages: Array, block_tables: Array,
-                        q_start: Array, lengths: Array, *, pages_per_chunk: int = 8) -> Array:
+                        q_start: Array, lengths: Array, *, pages_per_chunk: int = 4,
+                        pack: bool = True) -> Array:
     """Gather + online softmax over chunks of pages, for CPU serving. Same semantics as the kernel.
 
     The block table is walked ``pages_per_chunk`` pages at a time by a loop whose trip count is
     ``cdiv(max(lengths), pages_per_chunk * L)``: the work follows the longest live sequence, not
-    the table's width (max_model_len), and changing lengths never recompiles. A chunk's pages are
-    gathered for all kv heads at once into [K, B, C*L, H], and the T*G query rows of each kv
-    head attend with two batched matmuls whose batch dims (K, B) lead both operands, so no
-    transposing copy is needed.
+    the table's width (max_model_len), and changing lengths never recompiles. A chunk's pages of
+    every kv head are gathered as whole rows of the pool viewed as [K*P, L*H] (``page_rows``)
+    into [K, B, C*L, H] (a row copy: no per-element index math, no transposing copy); the T*G
+    query rows of each kv head attend with two batched matmuls whose batch dims (K, B) lead both
+    operands. Both read K/V in the storage dtype and accumulate in float32; scores are
+    [K, B, R, S] so the softmax runs along the contiguous key axis.
     """
     _check_shapes(q, k_pages, v_pages, block_tables, q_start, lengths)
     b, t, n, h = q.shape
-    kh, _, page_size, _ = k_pages.shape
+    kh, num_pages, page_size, _ = k_pages.shape
     g = n // kh
     m = block_tables.shape[1]
     c = max(1, min(pages_per_chunk, m))
     n_chunks = -(-m // c)
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, n_chunks * c - m)))
+    # Clipped once here (a few KB of ids) so the gathers can promise in-bounds indices.
+    rows = jnp.clip(page_rows(tables, kh, num_pages), 0, kh * num_pages - 1)  # [K, B, M']
     lengths = lengths.astype(jnp.int32)
     q_pos = q_start.astype(jnp.int32)[:, None] + jnp.arange(t)[None, :]  # [B, T]
     q_pos = jnp.repeat(q_pos, g, axis=1)  # [B, T*G], row t*G + g
     limit = jnp.minimum(q_pos, lengths[:, None] - 1)  # last visible key per row
     qr = q.reshape(b, t, kh, g, h).transpose(2, 0, 1, 3, 4).reshape(kh, b, t * g, h)
-    qr = qr.astype(jnp.float32) * (1.0 / math.sqrt(h))
+    qr = (qr.astype(jnp.float32) * (1.0 / math.sqrt(h))).astype(k_pages.dtype)  # [K, B, R, H]
+    k_flat, v_flat = (_packed_rows(x, pack) for x in (k_pages, v_pages))  # [K*P, L*H/w]
     span = c * page_size
 
     def chunk(j, carry):
-        mx, den, acc = carry  # [K, B, TG, 1], [K, B, TG, 1], [K, B, TG, H]
-        cols = jax.lax.dynamic_slice_in_dim(tables, j * c, c, axis=1)  # [B, C]
+        mx, den, acc = carry  # [K, B, R, 1], [K, B, R, 1], [K, B, R, H]
+        ids = jax.lax.dynamic_slice_in_dim(rows, j * c, c, axis=2)  # [K, B, C]
+        k = _unpack(k_flat.at[ids].get(mode="promise_in_bounds"), k_pages.dtype, (kh, b, span, h))
+        v = _unpack(v_flat.at[ids].get(mode="promise_in_bounds"), v_pages.dtype, (kh, b, span, h))
         k_pos = j * span + jnp.arange(span)
-        mask = k_pos[None, None, :] <= limit[:, :, None]  # [B, TG, C*L]
-        k = k_pages[:, cols].reshape(kh, b, span, h).astype(jnp.float32)  # [K, B, C*L, H]
-        v = v_pages[:, cols].reshape(kh, b, span, h).astype(jnp.float32)
-        sc = jnp.einsum("KBQH,KBSH->KBQS", qr, k, preferred_element_type=jnp.float32)
-        sc = jnp.where(mask[None], sc, -jnp.inf)
-        m_new = jnp.maximum(mx, jnp.max(sc, axis=-1, keepdims=True))
+        mask = k_pos[None, None, :] <= limit[:, :, None]  # [B, R, S]
+        sc = jnp.where(mask[None], _scores(qr, k), -jnp.inf)  # [K, B, R, S]
+        m_new = jnp.maximum(mx, jnp.max(sc, axis=3, keepdims=True))
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(sc - safe)  # masked -> 0
         scale = jnp.exp(jnp.where(jnp.isfinite(mx), mx - safe, -jnp.inf))
-        o = jnp.einsum("KBQS,KBSH->KBQH", p, v, preferred_element_type=jnp.float32)
-        return m_new, den * scale + jnp.sum(p, -1, keepdims=True), acc * scale + o
+        o = jnp.einsum("KBRS,KBSH->KBRH", p.astype(v.dtype), v,
+                       preferred_element_type=jnp.float32)
+        return m_new, den * scale + jnp.sum(p, 3, keepdims=True), acc * scale + o
 
     init = (jnp.full((kh, b, t * g, 1), -jnp.inf, jnp.float32),
             jnp.zeros((kh, b, t * g, 1), jnp.float32), jnp.zeros((kh, b, t * g, h), jnp.float32))
     trips = jnp.minimum(-(-jnp.max(lengths) // span), n_chunks)
     _, den, acc = jax.lax.fori_loop(0, trips, chunk, init)
-    out = acc / jnp.where(den == 0.0, 1.0, den)  # [K, B, TG, H]; rows seeing nothing -> 0
+    out = acc / jnp.where(den == 0.0, 1.0, den)  # [K, B, R, H]; rows seeing nothing -> 0
     out = out.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4)
     return out.reshape(b, t, n, h).astype(q.dtype)
 
