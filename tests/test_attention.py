@@ -196,6 +196,17 @@ def test_xla_paged_loop_and_packing(case, dtype, chunk, pack):
     assert_close(jax.jit(f)(*args), paged_attention_reference(*args), dtype)
 
 
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in PAGED])
+@pytest.mark.parametrize("backend", ["xla", "reference", "pallas_interpret"])
+def test_uint16_stored_bf16_pages(case, backend):
+    """Pages stored as uint16 bf16 bits (the CPU cache's layout) read back as bf16 pages do."""
+    q, k_pages, v_pages, *rest = paged_inputs(case, jnp.bfloat16)
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint16)
+    f = jax.jit(functools.partial(attn.paged_attention, backend=backend))
+    out = f(q, bits(k_pages), bits(v_pages), *rest)
+    assert_close(out, paged_attention_reference(q, k_pages, v_pages, *rest), jnp.bfloat16)
+
+
 def test_shape_errors_name_the_shapes():
     q = jnp.zeros((1, 2, 6, 64))
     k = jnp.zeros((1, 8, 4, 64))

@@ -52,12 +52,18 @@ def attention(q: Array, k: Array, v: Array, q_start: Array, lengths: Array, *,
 
 def paged_attention(q: Array, k_pages: Array, v_pages: Array, block_tables: Array,
                     q_start: Array, lengths: Array, *, backend: str = "xla") -> Array:
-    """Paged attention with T >= 1 queries per sequence through the chosen backend."""
+    """Paged attention with T >= 1 queries per sequence through the chosen backend.
+
+    k_pages/v_pages [K, P, L, H] hold q's dtype, or uint16 bit patterns of bfloat16 (how the CPU
+    cache stores bf16 pages; see ``llmserve.kv_cache.page_storage_dtype``).
+    """
     check_backend(backend)
     if backend == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, q_start, lengths)
     if backend == "xla":
         return paged.paged_attention_xla(q, k_pages, v_pages, block_tables, q_start, lengths)
+    # The kernel reads typed pages: uint16-stored bf16 pages (CPU caches) are reinterpreted.
+    k_pages, v_pages = paged.as_logical(k_pages), paged.as_logical(v_pages)
     return paged.paged_attention(q, k_pages, v_pages, block_tables, q_start, lengths,
                                  interpret=backend == "pallas_interpret")
 

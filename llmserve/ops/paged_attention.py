@@ -138,6 +138,24 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, block_tables: Arra
     return from_rows(out, t, n)
 
 
+# Page arrays of this dtype hold bfloat16 bit patterns (the CPU cache stores bf16 pages as uint16:
+# see ``llmserve.kv_cache.page_storage_dtype``). Every path here reads them back as bfloat16.
+BF16_BITS = jnp.uint16
+
+
+def logical_dtype(pages: Array):
+    """The dtype the values of ``pages`` have: bfloat16 for uint16 bit patterns, else its own."""
+    return jnp.bfloat16 if pages.dtype == BF16_BITS else pages.dtype
+
+
+def as_logical(pages: Array) -> Array:
+    """``pages`` with uint16 bit patterns reinterpreted as bfloat16 (a full copy on CPU: only for
+    the reference and Pallas paths; the XLA path reinterprets each gathered chunk instead)."""
+    if pages.dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(pages, jnp.bfloat16)
+    return pages
+
+
 def page_rows(block_tables: Array, k_heads: int, num_pages: int) -> Array:
     """block_tables [B, M] -> row ids [K, B, M] into pages viewed as [K*P, L*H].
 
@@ -162,9 +180,9 @@ def _packed_rows(pages: Array, pack: bool) -> Array:
 
 
 def _unpack(rows: Array, dtype, shape) -> Array:
-    """Gathered rows (maybe packed by ``_packed_rows``) -> ``shape`` in ``dtype``."""
+    """Gathered rows (packed uint32 [..., W] or uint16 bits or typed) -> ``shape`` in ``dtype``."""
     if rows.dtype != dtype:
-        rows = jax.lax.bitcast_convert_type(rows, dtype)  # [..., W, 2]
+        rows = jax.lax.bitcast_convert_type(rows, dtype)  # uint32 -> [..., W, 2]; uint16 -> same
     return rows.reshape(shape)
 
 
@@ -208,15 +226,16 @@ def paged_attention_xla(q: Array, k_pages: Array, v_pages: Array, block_tables: 
     q_pos = jnp.repeat(q_pos, g, axis=1)  # [B, T*G], row t*G + g
     limit = jnp.minimum(q_pos, lengths[:, None] - 1)  # last visible key per row
     qr = q.reshape(b, t, kh, g, h).transpose(2, 0, 1, 3, 4).reshape(kh, b, t * g, h)
-    qr = (qr.astype(jnp.float32) * (1.0 / math.sqrt(h))).astype(k_pages.dtype)  # [K, B, R, H]
+    dtype = logical_dtype(k_pages)  # bf16 for uint16-stored pages
+    qr = (qr.astype(jnp.float32) * (1.0 / math.sqrt(h))).astype(dtype)  # [K, B, R, H]
     k_flat, v_flat = (_packed_rows(x, pack) for x in (k_pages, v_pages))  # [K*P, L*H/w]
     span = c * page_size
 
     def chunk(j, carry):
         mx, den, acc = carry  # [K, B, R, 1], [K, B, R, 1], [K, B, R, H]
         ids = jax.lax.dynamic_slice_in_dim(rows, j * c, c, axis=2)  # [K, B, C]
-        k = _unpack(k_flat.at[ids].get(mode="promise_in_bounds"), k_pages.dtype, (kh, b, span, h))
-        v = _unpack(v_flat.at[ids].get(mode="promise_in_bounds"), v_pages.dtype, (kh, b, span, h))
+        k = _unpack(k_flat.at[ids].get(mode="promise_in_bounds"), dtype, (kh, b, span, h))
+        v = _unpack(v_flat.at[ids].get(mode="promise_in_bounds"), dtype, (kh, b, span, h))
         k_pos = j * span + jnp.arange(span)
         mask = k_pos[None, None, :] <= limit[:, :, None]  # [B, R, S]
         sc = jnp.where(mask[None], _scores(qr, k), -jnp.inf)  # [K, B, R, S]
@@ -252,9 +271,10 @@ def gather_pages(pages: Array, block_tables: Array) -> Array:
 def paged_attention_reference(q: Array, k_pages: Array, v_pages: Array, block_tables: Array,
                               q_start: Array, lengths: Array) -> Array:
     """q [B, T, N, H] over paged K/V [K, P, L, H] through block_tables [B, M] -> [B, T, N, H]."""
-    k = gather_pages(k_pages, block_tables)
-    v = gather_pages(v_pages, block_tables)
+    k = as_logical(gather_pages(k_pages, block_tables))
+    v = as_logical(gather_pages(v_pages, block_tables))
     return attention_reference(q, k, v, q_start, lengths)
 
 
-__all__ = ["paged_attention", "paged_attention_xla", "paged_attention_reference", "gather_pages"]
+__all__ = ["paged_attention", "paged_attention_xla", "paged_attention_reference", "gather_pages",
+           "page_rows", "logical_dtype", "as_logical", "BF16_BITS"]
