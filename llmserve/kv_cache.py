@@ -6,6 +6,8 @@ Two layouts share one method, ``update_and_attend(layer, q, k, v, meta, backend)
   (the correctness oracle) uses it.
 * ``PagedKVCache``: fixed-size pages [K, P, L, H] per layer, addressed through block tables.
   Page 0 is reserved as the dummy page: padding tokens write there, never into a live page.
+  On CPU, bf16 pages are stored as uint16 bit patterns (``page_storage_dtype``): XLA CPU would
+  convert the whole bf16 buffer to f32 and back around every write.
 
 Both are updated with ``.at[].set`` scatters inside the jitted step; callers donate the cache so
 XLA updates the buffers in place.
