@@ -36,4 +36,10 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
     c.decode_context = "1024,4096" if smoke else "1024,2048,4096,8192"  # GPU
     c.page_size = 16
     c.iters = 3 if smoke else 20
+    # Decode attention vs the copy-bandwidth roof (CPU): batch x context, pages per loop step.
+    c.roof_batch = 8 if smoke else 32
+    c.roof_context = 128 if smoke else 512
+    c.decode_chunks = "4" if smoke else "4,8"
+    c.roof_reps = 1 if smoke else 5
+    c.profile = False  # print a per-fusion profile of the decode path
     return c

@@ -6,6 +6,19 @@ CPU (any machine):
   (flash_attention_xla) at 1k/4k/16k tokens, plus CPU wall times of the XLA serving paths.
   Expected (jax 0.10.2, N=9, K=3, H=64, float32): at 16k tokens ~18 GiB naive vs ~84 MiB (~220x).
 
+  It also measures decode attention against its memory roof (``roof`` in the JSON): at B=32,
+  context 512, SmolLM2 heads, page size 16, in float32 and bfloat16, the XLA paged path
+  (``paged_attention_xla`` at each ``--decode_chunks`` pages per loop step) is timed beside a
+  copy kernel over as many bytes as the K/V it reads. roof = K/V bytes / copy bandwidth, with
+  the copy's bandwidth counted STREAM-style (bytes read + bytes written), so roof = copy time / 2;
+  ratio = attention time / roof (1.0 = reads K/V at the copy's speed). Also shown: a read-only
+  sum over the same bytes and the gather of K and V alone (what any gather-based XLA path pays).
+  Every point is the minimum over ``--roof_reps`` interleaved rounds of ``--iters`` calls, so
+  other processes on a shared machine inflate all of them alike. ``--profile`` adds the
+  per-fusion thread time of one call (jax.profiler trace).
+  Measured (2 shared cores, jax 0.10.2): paged_xla_c4 6.9-8.3x roof in f32, 7.6-9.8x in bf16;
+  gather_kv alone 2.3-3.6x (f32) and 4.2-5.1x (bf16).
+
 GPU:
   python -m experiments.kernels --config=configs/kernels.py --config.decode_batch=8,32,64
   compares, in bfloat16:
@@ -20,6 +33,7 @@ GPU:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -39,7 +53,6 @@ common.quiet_startup()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from llmserve.ops import attention as attn  # noqa: E402
 from llmserve.ops import flash_attention as fa  # noqa: E402
 from llmserve.ops import paged_attention as pa  # noqa: E402
 
@@ -82,7 +95,7 @@ def memory_table() -> list[dict]:
         shapes = (spec((1, t, n, h), jnp.float32), spec((1, t, kh, h), jnp.float32),
                   spec((1, t, kh, h), jnp.float32), spec((1,), jnp.int32),
                   spec((1,), jnp.int32))
-        naive = temp_bytes(attn.attention_reference, *shapes)
+        naive = temp_bytes(fa.attention_reference, *shapes)
         ours = temp_bytes(fa.flash_attention_xla, *shapes)
         rows.append(dict(tokens=t, naive_temp_bytes=naive, xla_temp_bytes=ours,
                          ratio=naive / max(ours, 1)))
@@ -128,6 +141,100 @@ def cpu_times() -> list[dict]:
         rows.append(dict(kind="decode", backend="xla", batch=b, context=ctx, ms=ms))
     for r in rows:
         print(r)
+    return rows
+
+
+def min_ms(f: Callable, *args, iters: int) -> float:
+    """Minimum wall time of a compiled call over ``iters`` calls, in milliseconds."""
+    jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        best = min(best, time.perf_counter() - t0)
+    return 1e3 * best
+
+
+def op_profile(f: Callable, *args, iters: int = 5, top: int = 12) -> list[tuple[str, float]]:
+    """Per-op thread time (us per call) of jit(f) from a jax.profiler trace, largest first.
+
+    Thread time: a fusion split over both cores counts both, so entries can sum past the wall
+    time; read them as shares of the work.
+    """
+    import collections
+    import glob
+    import gzip
+    import tempfile
+
+    f = jax.jit(f)
+    jax.block_until_ready(f(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(iters):
+                jax.block_until_ready(f(*args))
+        path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+        with gzip.open(path) as fh:
+            events = json.load(fh)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    total = collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and ("fusion" in name or name.startswith(("dot", "gather", "copy",
+                                                                         "while", "reduce"))):
+            total[name] += e["dur"] / iters
+    return total.most_common(top)
+
+
+def decode_roof(extra: dict[str, Callable] | None = None) -> list[dict]:
+    """Decode attention (XLA paged path) vs the copy-bandwidth roof, float32 and bfloat16.
+
+    ``extra`` maps names to other paged attention functions (same signature) timed alongside,
+    e.g. an older version for a before/after table.
+    """
+    cfg = _CONFIG.value
+    n, kh, h = heads()
+    b, ctx, size = cfg.roof_batch, cfg.roof_context, cfg.page_size
+    rows = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        args = paged_inputs(b, ctx, dtype, size)
+        q, k_pages, v_pages, tables = args[:4]
+        kv_bytes = 2 * b * ctx * kh * h * jnp.dtype(dtype).itemsize
+        flat = jnp.ones((kv_bytes // jnp.dtype(dtype).itemsize,), dtype)
+        rows_ids = pa.page_rows(tables, kh, k_pages.shape[1])
+
+        def gather_kv(kp, vp, ids):
+            return tuple(jnp.take(p.reshape(-1, size * h), ids, axis=0) for p in (kp, vp))
+
+        fns = {"copy": (jax.jit(lambda x: x + 1), (flat,)),
+               "sum": (jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), (flat,)),
+               "gather_kv": (jax.jit(gather_kv), (k_pages, v_pages, rows_ids))}
+        for c in _ints(cfg.decode_chunks):
+            f = jax.jit(lambda *a, c=c: pa.paged_attention_xla(*a, pages_per_chunk=c))
+            fns[f"paged_xla_c{c}"] = (f, args)
+        for key, f in (extra or {}).items():
+            fns[key] = (jax.jit(f), args)
+        best = {name: float("inf") for name in fns}
+        for _ in range(cfg.roof_reps):
+            for name, (f, a) in fns.items():
+                best[name] = min(best[name], min_ms(f, *a, iters=cfg.iters))
+        roof = best["copy"] / 2  # K/V bytes at the copy's (read + write) bandwidth
+        name = jnp.dtype(dtype).name
+        print(f"\ndecode roof, {name}, B={b} context={ctx} N={n} K={kh} H={h} L={size}: "
+              f"K/V {kv_bytes / 2**20:.1f} MiB, copy {best['copy']:.3f} ms "
+              f"({2 * kv_bytes / best['copy'] / 1e6:.1f} GB/s r+w) -> roof {roof:.3f} ms")
+        for key, ms in best.items():
+            row = dict(kind="decode_roof", dtype=name, batch=b, context=ctx, what=key, ms=ms,
+                       roof_ms=roof, ratio=ms / roof, kv_bytes=kv_bytes)
+            rows.append(row)
+            print(f"  {key:16} {ms:8.3f} ms  {ms / roof:6.2f} x roof")
+        if cfg.profile:
+            c = _ints(cfg.decode_chunks)[0]
+            prof = op_profile(lambda *a, c=c: pa.paged_attention_xla(*a, pages_per_chunk=c),
+                              *args)
+            print(f"  profile (paged_xla_c{c}, us thread time per call):")
+            for op, us in prof:
+                print(f"    {us:9.1f}  {op}")
+            rows.append(dict(kind="decode_profile", dtype=name, chunk=c, ops=prof))
     return rows
 
 
@@ -257,6 +364,7 @@ def main(argv):
         results["decode"] = gpu_decode()
     else:
         results["cpu_times"] = cpu_times()
+        results["roof"] = decode_roof()
     largest = max(results["memory"], key=lambda r: r["tokens"])
     summary = {"memory_ratio": largest["ratio"], "memory_tokens": largest["tokens"],
                "naive_temp_mib": largest["naive_temp_bytes"] / 2**20,
@@ -275,6 +383,10 @@ def main(argv):
                 summary[f"{kind}_speedup_vs_{backend}"] = float(np.median(
                     [r["ours_speedup"] for r in results[kind] if r["backend"] == backend
                      and "ours_speedup" in r]))
+    for r in results.get("roof", []):
+        if r.get("kind") == "decode_roof" and r["what"].startswith("paged_xla"):
+            key = f"decode_roof_ratio_{r['dtype']}"
+            summary[key] = min(summary.get(key, float("inf")), r["ratio"])
     notes = ["CPU: flash attention measured as memory (compiled temp bytes), not speed"]
     table = common.markdown_table(
         ["tokens (B=1)", "naive MiB", "ours MiB", "ratio"],

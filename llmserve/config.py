@@ -7,7 +7,9 @@ built from a Hugging Face ``config.json``, from GGUF metadata, or from a named p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import logging
 import os
 from typing import Any, Mapping, Optional
 
@@ -25,14 +27,66 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(dtype: Any) -> Any:
-    """Maps "float32"/"bfloat16"/... or a dtype to a jnp dtype; raises a clear ValueError."""
+_log = logging.getLogger(__name__)
+
+# /proc/cpuinfo flags of CPUs with native bf16 dot products (Zen 4+, Cooper Lake, Sapphire Rapids).
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU advertises native bf16 matmul (avx512_bf16 or amx_bf16 in its flags).
+
+    On such CPUs XLA's bf16 matmul with float32 accumulation beats float32 from 8 rows up
+    (experiments/matmul.py). Without the flags bf16 is emulated and slower. Non-Linux: False.
+    """
+    try:
+        with open(cpuinfo) as f:
+            text = f.read()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
+
+
+@functools.lru_cache(maxsize=None)
+def auto_dtype(platform: Optional[str] = None) -> str:
+    """The dtype ``dtype="auto"`` means on ``platform`` (default: jax's default backend).
+
+    "bfloat16" on GPU/TPU and on CPUs with native bf16 matmul, else "float32". Logs the pick
+    (once per platform).
+    """
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    platform = platform.lower()
+    if platform in ("gpu", "cuda", "rocm", "tpu"):
+        name, why = "bfloat16", f"{platform} has native bf16 matmul"
+    elif platform == "cpu" and cpu_has_bf16_matmul():
+        name, why = "bfloat16", "this CPU has avx512_bf16/amx_bf16"
+    elif platform == "cpu":
+        name, why = "float32", "this CPU has no native bf16 matmul (bf16 would be emulated)"
+    else:
+        name, why = "float32", f"unknown platform {platform!r}"
+    _log.info("dtype='auto' -> %s (%s)", name, why)
+    return name
+
+
+def resolve_dtype(dtype: Any, platform: Optional[str] = None) -> Any:
+    """Maps "float32"/"bfloat16"/"auto"/... or a dtype to a jnp dtype; raises a clear ValueError.
+
+    "auto" resolves through ``auto_dtype(platform)``.
+    """
     if isinstance(dtype, str):
         key = dtype.lower().replace("torch.", "")
         if key == "auto":
-            return jnp.float32
+            key = auto_dtype(platform)
         if key not in _DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+            raise ValueError(f"unsupported dtype {dtype!r}; use one of "
+                             f"{sorted(_DTYPES) + ['auto']}")
         return _DTYPES[key]
     return jnp.dtype(dtype).type
 
@@ -65,7 +119,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False
     max_position_embeddings: int = 2048
-    dtype: str = "float32"
+    dtype: str = "float32"  # "auto" is resolved to a concrete name at construction
     model_type: str = "llama"
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
@@ -82,6 +136,8 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.n_heads={self.n_heads} is not a multiple of "
                 f"n_kv_heads={self.n_kv_heads}")
+        if isinstance(self.dtype, str) and self.dtype.lower() == "auto":
+            object.__setattr__(self, "dtype", auto_dtype())
         resolve_dtype(self.dtype)
 
     @property

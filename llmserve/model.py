@@ -9,6 +9,11 @@ The model is functional: ``Transformer(cfg).apply({"params": p}, tokens, meta, c
 ``(logits, cache)``. The KV cache (dense or paged, see ``kv_cache.py``) is passed in and returned;
 there are no mutable Flax collections. Attention goes through ``cache.update_and_attend``,
 which writes the new K/V and calls the dispatcher in ``ops/attention.py``.
+
+Numerics: weights and the KV cache are stored in ``cfg.dtype`` (float32 or bfloat16). Every
+matmul takes its inputs in the storage dtype and accumulates in float32
+(``preferred_element_type``); the residual stream, RoPE, norms, softmax and logits are float32.
+No float32 copy of a bf16 weight is ever made (the embedding table is gathered, not converted).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from llmserve.config import ModelConfig
 from llmserve.kv_cache import AttentionMetadata
@@ -59,7 +65,7 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32."""
+    """Root-mean-square norm, computed and returned in float32 (scale stored in ``dtype``)."""
 
     eps: float
     dtype: Any = jnp.float32
@@ -69,12 +75,74 @@ class RMSNorm(nn.Module):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * scale.astype(jnp.float32)).astype(self.dtype)
+        return xf * scale.astype(jnp.float32)
 
 
-def _dense(features: int, name: str, cfg: ModelConfig, bias: bool = False) -> nn.Dense:
-    return nn.Dense(features, use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_dtype,
-                    kernel_init=nn.initializers.normal(0.02), name=name)
+# XLA's CPU matrix-vector path converts a whole bf16 weight to f32 when the activation has one
+# row (SmolLM2's tied head: 47 ms at 1 row vs 4 ms at 2); padding to this many rows avoids it.
+MIN_BF16_ROWS = 2
+
+
+def matmul_f32(x: Array, w: Array, transpose_w: bool = False) -> Array:
+    """x [..., D] @ w [D, F] (or w [F, D].T) -> [..., F] float32.
+
+    x is cast to w's dtype; accumulation is float32 (``preferred_element_type``). A bf16 call with
+    fewer than MIN_BF16_ROWS rows is padded (a static-shape decision, made at trace time).
+    """
+    lead, d = x.shape[:-1], x.shape[-1]
+    rows = int(np.prod(lead, dtype=np.int64))
+    x2 = x.reshape(rows, d).astype(w.dtype)
+    if w.dtype == jnp.bfloat16 and rows < MIN_BF16_ROWS:
+        x2 = jnp.pad(x2, ((0, MIN_BF16_ROWS - rows), (0, 0)))
+    y = lax.dot_general(x2, w, (((1,), (1 if transpose_w else 0,)), ((), ())),
+                        preferred_element_type=jnp.float32)
+    return y[:rows].reshape(*lead, y.shape[-1])
+
+
+class Dense(nn.Module):
+    """x @ kernel (+ bias) with the kernel in ``dtype`` and a float32 result.
+
+    Parameter names ("kernel" [D, F], "bias" [F]) match flax's nn.Dense, so checkpoints load
+    unchanged.
+    """
+
+    features: int
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        kernel = self.param("kernel", nn.initializers.normal(0.02),
+                            (x.shape[-1], self.features), self.dtype)
+        y = matmul_f32(x, kernel)
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+            y = y + bias.astype(jnp.float32)
+        return y
+
+
+class Embed(nn.Module):
+    """Token embedding [V, D] in ``dtype``; lookups return float32 rows, ``attend`` f32 logits."""
+
+    num_embeddings: int
+    features: int
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self.embedding = self.param("embedding", nn.initializers.normal(0.02),
+                                    (self.num_embeddings, self.features), self.dtype)
+
+    def __call__(self, tokens: Array) -> Array:
+        """tokens [B, T] -> [B, T, D] float32 (gathers rows; never converts the whole table)."""
+        return jnp.take(self.embedding, tokens, axis=0).astype(jnp.float32)
+
+    def attend(self, x: Array) -> Array:
+        """x [B, T, D] -> logits [B, T, V] float32 (tied output projection)."""
+        return matmul_f32(x, self.embedding, transpose_w=True)
+
+
+def _dense(features: int, name: str, cfg: ModelConfig, bias: bool = False) -> Dense:
+    return Dense(features, use_bias=bias, dtype=cfg.jnp_dtype, name=name)
 
 
 class Attention(nn.Module):
@@ -92,10 +160,11 @@ class Attention(nn.Module):
         kk = _dense(k * h, "k_proj", cfg, cfg.qkv_bias)(x).reshape(b, t, k, h)
         vv = _dense(k * h, "v_proj", cfg, cfg.qkv_bias)(x).reshape(b, t, k, h)
         inv_freq = rope_frequencies(cfg)
-        q = apply_rope(q, meta.positions, inv_freq)
+        # RoPE in f32; attention then reads q and the cache in the storage dtype (f32 dots).
+        q = apply_rope(q, meta.positions, inv_freq).astype(cfg.jnp_dtype)
         kk = apply_rope(kk, meta.positions, inv_freq)
         out, cache = cache.update_and_attend(self.layer, q, kk, vv, meta, backend)  # [B,T,N,H]
-        out = _dense(cfg.d_model, "o_proj", cfg)(out.reshape(b, t, n * h).astype(cfg.jnp_dtype))
+        out = _dense(cfg.d_model, "o_proj", cfg)(out.reshape(b, t, n * h))
         return out, cache
 
 
@@ -142,10 +211,8 @@ class Transformer(nn.Module):
     def __call__(self, tokens: Array, meta: AttentionMetadata, cache: Any,
                  backend: str = "xla", logits_index: Array | None = None):
         cfg = self.cfg
-        embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype,
-                         param_dtype=cfg.jnp_dtype, embedding_init=nn.initializers.normal(0.02),
-                         name="embed")
-        x = embed(tokens)
+        embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype, name="embed")
+        x = embed(tokens)  # [B, T, D] float32: the residual stream stays f32
         for i in range(cfg.n_layers):
             x, cache = Block(cfg, i, name=f"layers_{i}")(x, meta, cache, backend)
         if logits_index is not None:

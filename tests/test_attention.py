@@ -44,12 +44,12 @@ PAGED = [
     ("padding_slot_g3", 2, 5, 9, 3, 64, 16, 2, [0, 20], [0, 15]),
 ]
 BF16_CONTIGUOUS = ("prefill_smollm2_g3", "chunked_prefill_mqa_g4")
-BF16_PAGED = ("decode_smollm2_l16", "verify_t5_g4_l32")
+BF16_PAGED = tuple(c[0] for c in PAGED)  # every paged case also runs in bf16
 
 
 # The oracles, jitted once per shape (eager op-by-op dispatch is slower than compiling).
-attention_reference = jax.jit(attn.attention_reference)
-paged_attention_reference = jax.jit(attn.paged_attention_reference)
+attention_reference = jax.jit(fa.attention_reference)
+paged_attention_reference = jax.jit(pa.paged_attention_reference)
 
 
 def contiguous_inputs(case, dtype, seed=0):
@@ -165,8 +165,8 @@ class TestXlaChunked(AttentionSuite):
         return jax.jit(f)(*args)
 
     def paged(self, q, k_pages, v_pages, block_tables, q_start, lengths):
-        k = attn.gather_pages(k_pages, block_tables)
-        v = attn.gather_pages(v_pages, block_tables)
+        k = pa.gather_pages(k_pages, block_tables)
+        v = pa.gather_pages(v_pages, block_tables)
         return self.contiguous(q, k, v, q_start, lengths)
 
 
@@ -184,6 +184,27 @@ class TestPallasInterpret(AttentionSuite):
         args = contiguous_inputs(case, jnp.float32)
         out = attn.attention(*args, backend="pallas_interpret")
         assert_close(out, attention_reference(*args), jnp.float32)
+
+
+@pytest.mark.parametrize("case,dtype", _cases(PAGED, BF16_PAGED))
+@pytest.mark.parametrize("chunk,pack", [(1, True), (2, False)], ids=["c1", "c2_unpacked"])
+def test_xla_paged_loop_and_packing(case, dtype, chunk, pack):
+    """paged_attention_xla walking 1-2 pages per loop step (several trips, a partial last chunk),
+    with bf16 rows gathered packed as uint32 or not; same tolerance as the suite."""
+    args = paged_inputs(case, dtype)
+    f = functools.partial(pa.paged_attention_xla, pages_per_chunk=chunk, pack=pack)
+    assert_close(jax.jit(f)(*args), paged_attention_reference(*args), dtype)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in PAGED])
+@pytest.mark.parametrize("backend", ["xla", "reference", "pallas_interpret"])
+def test_uint16_stored_bf16_pages(case, backend):
+    """Pages stored as uint16 bf16 bits (the CPU cache's layout) read back as bf16 pages do."""
+    q, k_pages, v_pages, *rest = paged_inputs(case, jnp.bfloat16)
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint16)
+    f = jax.jit(functools.partial(attn.paged_attention, backend=backend))
+    out = f(q, bits(k_pages), bits(v_pages), *rest)
+    assert_close(out, paged_attention_reference(q, k_pages, v_pages, *rest), jnp.bfloat16)
 
 
 def test_shape_errors_name_the_shapes():
@@ -215,7 +236,7 @@ def test_xla_prefill_memory_at_16k_tokens():
     spec = jax.ShapeDtypeStruct
     shapes = (spec((1, t, n, h), jnp.float32), spec((1, t, kh, h), jnp.float32),
               spec((1, t, kh, h), jnp.float32), spec((1,), jnp.int32), spec((1,), jnp.int32))
-    naive = _temp_bytes(attn.attention_reference, *shapes)
+    naive = _temp_bytes(fa.attention_reference, *shapes)
     ours = _temp_bytes(fa.flash_attention_xla, *shapes)
     print(f"temp bytes at {t} tokens: naive {naive:,} vs flash_attention_xla {ours:,} "
           f"({naive / ours:.0f}x)")

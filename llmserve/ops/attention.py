@@ -1,4 +1,5 @@
-"""Attention: the plain-jnp reference and the dispatcher over backends.
+"""Attention: the dispatcher over backends (the kernels and their references live in the kernel
+files; this module only chooses).
 
 Backends:
   "reference": plain jnp, materializes the scores (the oracle).
@@ -13,7 +14,12 @@ returns zeros. K/V heads are shared by G = N / K query heads and never repeated 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
+
+from llmserve.ops import flash_attention
+from llmserve.ops import paged_attention as paged
+from llmserve.ops.flash_attention import attention_reference
+from llmserve.ops.online_softmax import causal_mask
+from llmserve.ops.paged_attention import gather_pages, paged_attention_reference
 
 Array = jax.Array
 
@@ -32,54 +38,12 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-def causal_mask(t: int, s: int, q_start: Array, lengths: Array) -> Array:
-    """[B, T, S] bool: key s visible to query t."""
-    q_pos = q_start[:, None] + jnp.arange(t)[None, :]  # [B, T]
-    k_pos = jnp.arange(s)[None, None, :]
-    return (k_pos <= q_pos[:, :, None]) & (k_pos < lengths[:, None, None])
-
-
-def attention_reference(q: Array, k: Array, v: Array, q_start: Array, lengths: Array) -> Array:
-    """q [B, T, N, H], k/v [B, S, K, H] -> [B, T, N, H]; float32 softmax, scores materialized."""
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    qg = q.reshape(b, t, kh, n // kh, h).astype(jnp.float32)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) / jnp.sqrt(h)
-    mask = causal_mask(t, k.shape[1], q_start, lengths)[:, None, None]  # [B,1,1,T,S]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(mask, jnp.exp(scores - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom == 0, 1.0, denom)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", p, v.astype(jnp.float32))
-    return out.reshape(b, t, n, h).astype(q.dtype)
-
-
-def gather_pages(pages: Array, block_tables: Array) -> Array:
-    """pages [K, P, L, H], block_tables [B, M] -> contiguous [B, M*L, K, H]."""
-    kh, _, size, h = pages.shape
-    b, m = block_tables.shape
-    g = pages[:, block_tables]  # [K, B, M, L, H]
-    return jnp.moveaxis(g, 0, 3).reshape(b, m * size, kh, h)
-
-
-def paged_attention_reference(q: Array, k_pages: Array, v_pages: Array, block_tables: Array,
-                              q_start: Array, lengths: Array) -> Array:
-    """q [B, T, N, H] over paged K/V [K, P, L, H] through block_tables [B, M] -> [B, T, N, H]."""
-    k = gather_pages(k_pages, block_tables)
-    v = gather_pages(v_pages, block_tables)
-    return attention_reference(q, k, v, q_start, lengths)
-
-
 def attention(q: Array, k: Array, v: Array, q_start: Array, lengths: Array, *,
               backend: str = "xla") -> Array:
     """Contiguous attention (prefill, reference generate) through the chosen backend."""
     check_backend(backend)
     if backend == "reference":
         return attention_reference(q, k, v, q_start, lengths)
-    from llmserve.ops import flash_attention
-
     if backend == "xla":
         return flash_attention.flash_attention_xla(q, k, v, q_start, lengths)
     return flash_attention.flash_attention(q, k, v, q_start, lengths,
@@ -88,13 +52,22 @@ def attention(q: Array, k: Array, v: Array, q_start: Array, lengths: Array, *,
 
 def paged_attention(q: Array, k_pages: Array, v_pages: Array, block_tables: Array,
                     q_start: Array, lengths: Array, *, backend: str = "xla") -> Array:
-    """Paged attention with T >= 1 queries per sequence through the chosen backend."""
+    """Paged attention with T >= 1 queries per sequence through the chosen backend.
+
+    k_pages/v_pages [K, P, L, H] hold q's dtype, or uint16 bit patterns of bfloat16 (how the CPU
+    cache stores bf16 pages; see ``llmserve.kv_cache.page_storage_dtype``).
+    """
     check_backend(backend)
     if backend == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, q_start, lengths)
-    from llmserve.ops import paged_attention as paged
-
     if backend == "xla":
         return paged.paged_attention_xla(q, k_pages, v_pages, block_tables, q_start, lengths)
+    # The kernel reads typed pages: uint16-stored bf16 pages (CPU caches) are reinterpreted.
+    k_pages, v_pages = paged.as_logical(k_pages), paged.as_logical(v_pages)
     return paged.paged_attention(q, k_pages, v_pages, block_tables, q_start, lengths,
                                  interpret=backend == "pallas_interpret")
+
+
+# Re-exported for callers that import the oracles through the dispatcher.
+__all__ = ["BACKENDS", "check_backend", "default_backend", "attention", "paged_attention",
+           "attention_reference", "paged_attention_reference", "gather_pages", "causal_mask"]

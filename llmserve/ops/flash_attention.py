@@ -24,96 +24,27 @@ that stops at the causal bound), so temp memory stays O(chunk^2) instead of O(T*
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from llmserve.ops.attention import attention_reference
+from llmserve.ops.online_softmax import (
+    M_INIT,
+    causal_mask,
+    finish,
+    from_rows,
+    next_pow2,
+    online_softmax_step,
+    quiet_pallas_call,
+    to_rows,
+    triton_compiler_params,
+)
 
 Array = jax.Array
-
-# Finite "minus infinity" for the running max: exp(m_prev - m_new) stays well defined even when
-# every key seen so far is masked.
-_M_INIT = -1e30
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-@contextlib.contextmanager
-def _quiet():
-    """Silences JAX's deprecation warnings about the Pallas Triton backend (jax >= 0.11)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*[Tt]riton.*", category=DeprecationWarning)
-        warnings.filterwarnings("ignore", message=".*pallas_call.*", category=DeprecationWarning)
-        yield
-
-
-def triton_compiler_params(num_warps: int, num_stages: int):
-    """Triton CompilerParams, passed explicitly so jax >= 0.10 does not pick Mosaic GPU.
-
-    jax 0.10/0.11: ``pallas.triton.CompilerParams``; older: ``pallas.gpu.TritonCompilerParams``.
-    """
-    with _quiet():
-        try:
-            from jax.experimental.pallas import triton as pltriton
-
-            return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-        except (ImportError, AttributeError):  # pragma: no cover - old jax
-            from jax.experimental.pallas import gpu as plgpu
-
-            return plgpu.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def quiet_pallas_call(*args, **kwargs):
-    """pl.pallas_call with JAX's Triton-backend deprecation warning silenced here only."""
-    with _quiet():
-        return pl.pallas_call(*args, **kwargs)
-
-
-def to_rows(q: Array, k_heads: int, rows: int) -> Array:
-    """q [B, T, N, H] -> [B, K, rows, H] with row r = t*G + g, zero-padded to ``rows``."""
-    b, t, n, h = q.shape
-    g = n // k_heads
-    x = q.reshape(b, t, k_heads, g, h).transpose(0, 2, 1, 3, 4).reshape(b, k_heads, t * g, h)
-    return jnp.pad(x, ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))
-
-
-def from_rows(o: Array, t: int, n: int) -> Array:
-    """[B, K, rows, H] -> [B, T, N, H] (drops the padding rows)."""
-    b, k_heads, _, h = o.shape
-    g = n // k_heads
-    o = o[:, :, : t * g].reshape(b, k_heads, t, g, h).transpose(0, 2, 1, 3, 4)
-    return o.reshape(b, t, n, h)
-
-
-def online_softmax_step(q, k, v, mask, carry, scale):
-    """One KV block of the online softmax. q [R, H], k/v [C, H], mask [R, C] -> new carry.
-
-    carry = (acc [R, H] f32, m [R] f32, l [R] f32). Plain lax ops so Triton can lower it.
-    """
-    acc, m_prev, l_prev = carry
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = jnp.where(mask, s * scale, -jnp.inf)  # [R, C]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    alpha = jnp.exp(m_prev - m_new)
-    p = jnp.exp(s - m_new[:, None])  # masked -> exp(-inf) = 0
-    l_new = alpha * l_prev + jnp.sum(p, axis=1)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
-    return acc * alpha[:, None] + pv, m_new, l_new
-
-
-def finish(acc, l):
-    """acc / l with rows that saw no key (l = 0) returning zeros."""
-    return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,7 +80,7 @@ def _flash_kernel(q_start_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, *,
         return online_softmax_step(q, k, v, mask, carry, scale)
 
     carry = (jnp.zeros((block_q, h), jnp.float32),
-             jnp.full((block_q,), _M_INIT, jnp.float32),
+             jnp.full((block_q,), M_INIT, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
     acc, _, l = lax.fori_loop(0, num_kv_blocks, body, carry)
     o_ref[...] = finish(acc, l).astype(o_ref.dtype)
@@ -277,7 +208,7 @@ def _chunked(q: Array, k: Array, v: Array, q_start: Array, lengths: Array, *,
             return acc * alpha[..., None] + pv, m_new, l_new
 
         shape = (b, kh, g, chunk_q)
-        carry = (jnp.zeros(shape + (h,), jnp.float32), jnp.full(shape, _M_INIT, jnp.float32),
+        carry = (jnp.zeros(shape + (h,), jnp.float32), jnp.full(shape, M_INIT, jnp.float32),
                  jnp.zeros(shape, jnp.float32))
         acc, _, l = lax.fori_loop(0, n_blocks, body, carry)
         return (acc / jnp.where(l == 0.0, 1.0, l)[..., None]).astype(q.dtype)
@@ -302,11 +233,33 @@ def flash_attention_xla(q: Array, k: Array, v: Array, q_start: Array, lengths: A
     lengths = jnp.minimum(lengths.astype(jnp.int32), s)
     if 4 * b * n * t * s <= direct_score_bytes:
         return _direct(q, k, v, q_start, lengths)
-    return _chunked(q, k, v, q_start, lengths, chunk_q=min(chunk_q, _next_pow2(t)),
-                    chunk_k=min(chunk_k, _next_pow2(s)))
+    return _chunked(q, k, v, q_start, lengths, chunk_q=min(chunk_q, next_pow2(t)),
+                    chunk_k=min(chunk_k, next_pow2(s)))
 
 
-def flash_attention_reference(q: Array, k: Array, v: Array, q_start: Array,
-                              lengths: Array) -> Array:
-    """The plain-jnp oracle (scores materialized)."""
-    return attention_reference(q, k, v, q_start, lengths)
+# ----------------------------------------------------------------------------------------------
+# Reference (the oracle)
+
+
+def attention_reference(q: Array, k: Array, v: Array, q_start: Array, lengths: Array) -> Array:
+    """q [B, T, N, H], k/v [B, S, K, H] -> [B, T, N, H]; float32 softmax, scores materialized."""
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h).astype(jnp.float32)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) / jnp.sqrt(h)
+    mask = causal_mask(t, k.shape[1], q_start, lengths)[:, None, None]  # [B,1,1,T,S]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(scores - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", p, v.astype(jnp.float32))
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+# The name the kernel tests use for this file's oracle.
+flash_attention_reference = attention_reference
+
+__all__ = ["flash_attention", "flash_attention_xla", "attention_reference",
+           "flash_attention_reference"]

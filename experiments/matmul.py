@@ -1,0 +1,98 @@
+r"""SmolLM2-135M's weight matmuls at 1..512 rows, bfloat16 vs float32: which dtype, which buckets.
+
+  python experiments/matmul.py                      # rows 1,2,4,...,512, both dtypes
+  python experiments/matmul.py --rows=8,16,32 --iters=5
+
+One timed call runs every weight matmul of one forward step of the model at ``rows`` tokens:
+per layer q/k/v/o (576->576/192/192, 576->576) and gate/up/down (576->1536 x2, 1536->576), 30
+layers, then the tied LM head (576->49152); each through ``llmserve.model.matmul_f32`` (inputs
+in the storage dtype, float32 accumulation), exactly as the model runs them. The weights are
+distinct per layer, so each call streams all of them (270 MB bf16, 540 MB fp32) as a real step
+does. Prints the table (ms per call, bf16/fp32 ratio); writes results/matmul/matmul_<platform>.json.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from experiments.common import markdown_table, write_json
+from llmserve.config import auto_dtype, cpu_has_bf16_matmul, preset
+from llmserve.model import matmul_f32
+
+_ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8", "16", "32", "64", "128", "256", "512"],
+                          "token rows per call")
+_ITERS = flags.DEFINE_integer("iters", 5, "timed calls per point (median)")
+_OUT = flags.DEFINE_string("out_dir", "results/matmul", "where the JSON goes")
+
+
+def make_weights(dtype, seed: int = 0) -> dict:
+    """Random SmolLM2-shaped weights in ``dtype`` (made per layer: no full f32 copy for bf16)."""
+    cfg = preset("smollm2-135m")
+    d, f, h = cfg.d_model, cfg.ffn_dim, cfg.head_dim
+    shapes = {"q": (d, cfg.n_heads * h), "k": (d, cfg.n_kv_heads * h),
+              "v": (d, cfg.n_kv_heads * h), "o": (cfg.n_heads * h, d),
+              "gate": (d, f), "up": (d, f), "down": (f, d)}
+    key = jax.random.key(seed)
+    layers = []
+    for _ in range(cfg.n_layers):
+        layer = {}
+        for name, shape in shapes.items():
+            key, sub = jax.random.split(key)
+            layer[name] = (0.02 * jax.random.normal(sub, shape, jnp.float32)).astype(dtype)
+        layers.append(layer)
+    key, sub = jax.random.split(key)
+    head = (0.02 * jax.random.normal(sub, (cfg.vocab_size, d), jnp.float32)).astype(dtype)
+    return {"layers": layers, "head": head}
+
+
+@jax.jit
+def weight_pass(weights: dict, x: jax.Array) -> jax.Array:
+    """x [R, D] f32 through every weight matmul of one step -> logits [R, V] f32."""
+    for w in weights["layers"]:
+        q, k, v = matmul_f32(x, w["q"]), matmul_f32(x, w["k"]), matmul_f32(x, w["v"])
+        x = x + matmul_f32(q, w["o"]) + 1e-3 * (k.sum(-1, keepdims=True) + v.sum(-1, keepdims=True))
+        x = x + matmul_f32(jax.nn.silu(matmul_f32(x, w["gate"])) * matmul_f32(x, w["up"]),
+                           w["down"])
+    return matmul_f32(x, weights["head"], transpose_w=True)  # tied: logits = x @ embedding.T
+
+
+def time_ms(weights: dict, rows: int, iters: int) -> float:
+    """Median wall time of one weight pass at ``rows`` rows, in milliseconds."""
+    x = jax.random.normal(jax.random.key(1), (rows, 576), jnp.float32)
+    jax.block_until_ready(weight_pass(weights, x))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(weight_pass(weights, x))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def main(argv):
+    del argv
+    rows = [int(r) for r in _ROWS.value]
+    results = {}
+    for name, dtype in (("bfloat16", jnp.bfloat16), ("float32", jnp.float32)):
+        weights = make_weights(dtype)
+        results[name] = {r: time_ms(weights, r, _ITERS.value) for r in rows}
+        del weights
+    table = [(r, f"{results['bfloat16'][r]:.1f}", f"{results['float32'][r]:.1f}",
+              f"{results['bfloat16'][r] / results['float32'][r]:.2f}") for r in rows]
+    print(f"\nSmolLM2-135M weight matmuls per step ({jax.default_backend()}, "
+          f"{os.cpu_count()} cores, cpu bf16 flags: {cpu_has_bf16_matmul()}, "
+          f"auto dtype: {auto_dtype()})")
+    print(markdown_table(["rows", "bf16 (ms)", "fp32 (ms)", "bf16/fp32"], table))
+    path = write_json(os.path.join(_OUT.value, f"matmul_{jax.default_backend()}.json"), {
+        "rows": rows, "ms": results, "iters": _ITERS.value,
+        "cpu_bf16_matmul": cpu_has_bf16_matmul(), "auto_dtype": auto_dtype()})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    app.run(main)
