@@ -47,7 +47,8 @@ class EngineConfig:
     kv_cache_memory: Optional[int] = None  # bytes; alternative to num_pages
     max_num_batched_tokens: int = 512
     prefill_buckets: tuple = ((1, 32), (1, 128), (4, 128))
-    decode_buckets: Optional[tuple] = None
+    decode_buckets: Optional[tuple] = None  # default: by dtype (runner.default_decode_buckets)
+    mixed_decode_buckets: Optional[tuple] = None  # decode rows beside prefill chunks
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"  # or "static"
     # "paged": pages as a sequence grows; "contiguous": max_model_len reserved at admission
@@ -152,6 +153,7 @@ class Engine:
                              max_slots=config.max_num_seqs, max_model_len=config.max_model_len,
                              backend=backend, num_logprobs=config.max_logprobs,
                              decode_buckets=config.decode_buckets,
+                             mixed_decode_buckets=config.mixed_decode_buckets,
                              prefill_buckets=prefill_buckets)
         self.blocks = BlockManager(num_pages, config.page_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
@@ -397,7 +399,7 @@ class Engine:
             decode = [self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
                       for seq in plan.decode]
             result = self._run_step(decode, prefill)  # ONE call: decode rows + prefill chunks
-            offset = self.runner.decode_bucket(len(decode)) if decode else 0
+            offset = self.runner.decode_bucket(len(decode), mixed=bool(prefill)) if decode else 0
             outs = [("decode", plan.decode, 0), ("prefill", plan.prefill, offset)]
         fetched = fetch(result)  # one transfer for the whole step
         if not isinstance(fetched, tuple):
@@ -463,7 +465,7 @@ class Engine:
     def _run_step(self, decode: list[ScheduledRow], prefill: list[ScheduledRow]):
         batch = self.runner.prepare(decode, prefill)
         if decode:
-            b = self.runner.decode_bucket(len(decode))
+            b = self.runner.decode_bucket(len(decode), mixed=bool(prefill))
             self.stats["decode_rows"] += len(decode)
             self.stats["decode_slots"] += b
             self.stats["max_decode_rows"] = max(self.stats.get("max_decode_rows", 0),

@@ -20,7 +20,7 @@ class LLM:
     ``kv_cache_memory`` (bytes), ``enable_prefix_caching``, ``scheduling`` and ``backend``.
     """
 
-    def __init__(self, model: Optional[str] = None, *, dtype: str = "float32",
+    def __init__(self, model: Optional[str] = None, *, dtype: str = "auto",
                  max_model_len: int = 2048, max_num_seqs: int = 32, page_size: int = 16,
                  num_pages: Optional[int] = None, kv_cache_memory: Optional[int] = None,
                  backend: Optional[str] = None, enable_prefix_caching: bool = True,

@@ -208,7 +208,8 @@ class Runner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
                  max_slots: int, max_model_len: int, backend: str, num_logprobs: int = 0,
                  decode_buckets: Sequence[int] | None = None,
-                 prefill_buckets: Sequence[tuple[int, int]] = ((1, 128),)):
+                 prefill_buckets: Sequence[tuple[int, int]] = ((1, 128),),
+                 mixed_decode_buckets: Sequence[int] | None = None):
         self.cfg = cfg
         self.params = jax.tree_util.tree_map(jnp.asarray, params)
         self.page_size = page_size
@@ -218,16 +219,19 @@ class Runner:
         self.cache = PagedKVCache.create(cfg, num_pages, page_size)
         self.sstate = SamplerState.create(max_slots, cfg.vocab_size)
         if decode_buckets is None:
-            decode_buckets = sorted({min(max_slots, 1 << i) for i in range(3, 12)}
-                                    | {max_slots})
+            decode_buckets = default_decode_buckets(max_slots, cfg.dtype)
         self.decode_buckets = sorted(decode_buckets)
+        # Steps that carry prefill chunks pad their decode rows to one of these (default: the
+        # largest decode bucket): beside a chunk the extra rows cost little, and the compiled
+        # set stays |decode| + 2 |prefill| shapes instead of |decode| x |prefill|.
+        self.mixed_decode_buckets = sorted(mixed_decode_buckets or [self.decode_buckets[-1]])
         self.prefill_buckets = sorted(prefill_buckets, key=lambda x: (x[0] * x[1], x))
         self.backend = backend
 
     # ------------------------------------------------------------------ shapes
-    def decode_bucket(self, n: int) -> int:
-        """The smallest decode batch bucket holding n rows."""
-        for b in self.decode_buckets:
+    def decode_bucket(self, n: int, mixed: bool = False) -> int:
+        """The smallest decode bucket holding n rows (``mixed``: beside prefill chunks)."""
+        for b in self.mixed_decode_buckets if mixed else self.decode_buckets:
             if b >= n:
                 return b
         raise ValueError(f"{n} decode rows exceed the largest bucket {self.decode_buckets[-1]}")
@@ -248,11 +252,11 @@ class Runner:
         return max(c for _, c in self.prefill_buckets)
 
     def step_shapes(self) -> list[tuple]:
-        """Every (decode rows, (prefill rows, chunk)) shape a step can take: all compiled at
-        warm-up, so serving never compiles."""
-        decode = [0] + list(self.decode_buckets)
-        prefill = [None] + list(self.prefill_buckets)
-        return [(d, p) for d, p in itertools.product(decode, prefill) if d or p]
+        """Every (decode rows, (prefill rows, chunk)) shape a step can take: decode alone,
+        prefill alone, and mixed. All are compiled at warm-up, so serving never compiles."""
+        return ([(d, None) for d in self.decode_buckets]
+                + [(0, p) for p in self.prefill_buckets]
+                + list(itertools.product(self.mixed_decode_buckets, self.prefill_buckets)))
 
     # ------------------------------------------------------------------ host batch
     def prepare(self, decode: Sequence[ScheduledRow], prefill: Sequence[ScheduledRow] = (),
@@ -264,7 +268,8 @@ class Runner:
         """
         parts = []
         if decode:
-            parts.append((decode, self.decode_bucket(len(decode)), decode_width))
+            parts.append((decode, self.decode_bucket(len(decode), mixed=bool(prefill)),
+                          decode_width))
         if prefill:
             b, c = self.prefill_bucket(len(prefill), max(len(r.tokens) for r in prefill))
             parts.append((prefill, b, c))
@@ -413,6 +418,19 @@ def padded_verify_rows(rows: Sequence[ScheduledRow], num_draft: Optional[np.ndar
         k = 0 if num_draft is None else int(num_draft[i])
         out.append(dataclasses.replace(row, tokens=list(row.tokens) + [0] * min(k, width - 1)))
     return out
+
+
+def default_decode_buckets(max_slots: int, dtype: str) -> list[int]:
+    """Decode batch buckets chosen by measurement (experiments/matmul.py, SmolLM2 on this CPU).
+
+    bf16 weight matmuls cost about the same from 1 to 8 rows (25.8 / 23.4 / 25.4 / 27.1 ms), so
+    the smallest bf16 bucket is 8. fp32 at 1 row is a matrix-vector product (21 ms) and cheaper
+    than 2-8 rows (29-44 ms), so fp32 also keeps a 1-row bucket for the last running request.
+    Then powers of two from 8 up to ``max_slots``.
+    """
+    smallest = 8 if "bfloat16" in str(dtype) else 1
+    return sorted({min(max_slots, smallest)} | {min(max_slots, 1 << i) for i in range(3, 12)}
+                  | {max_slots})
 
 
 def fetch(tree):
