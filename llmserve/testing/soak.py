@@ -525,10 +525,10 @@ def run_soak(soak: SoakConfig, log=None) -> SoakReport:
     figures, failures, timeline = {}, [], {}
     t0 = time.perf_counter()
     share = -(-soak.requests // len(soak.runs))
-    for r, run in enumerate(soak.runs):
-        n = min(share, soak.requests - r * share)
-        jobs = make_jobs(soak, n, model[0].vocab_size, soak.seed * 1000 + r)
-        aim_stop_strings(jobs, model, soak.seed * 1000 + r)
+    workloads = [make_jobs(soak, min(share, soak.requests - r * share), model[0].vocab_size,
+                           soak.seed * 1000 + r) for r in range(len(soak.runs))]
+    aim_stop_strings([j for jobs in workloads for j in jobs], model, soak.seed)  # one batch
+    for r, (run, jobs) in enumerate(zip(soak.runs, workloads)):
         figs, fails, steps = soak_run(run, jobs, model, soak, seed=soak.seed * 1000 + r)
         figures[run] = figs
         failures += [f"{run}: {f}" for f in fails]
