@@ -22,6 +22,7 @@ def test_soak_passes_every_check(report):
     # The faults and features the soak claims to exercise did happen.
     assert total["preemptions"] > 0 and total["aborted_requests"] > 0
     assert total["aborted_completions"] >= total["aborted_requests"]
+    assert total["bad_requests"] > 0 and total["aborts_twice"] > 0
     assert total["stop_strings_hit"] > 0 and total["finish_length"] > 0
     assert total["prefix_hit_pages"] > 0 and total["cow_copies"] > 0
     assert total["compared_with_lone_run"] > total["requests"] // 2

@@ -392,9 +392,9 @@ def compilations(engine: Engine) -> int:
 
 
 def serve(engine: Engine, jobs: list[Job], rng: np.random.Generator, soak: SoakConfig,
-          failures: list, timeline: list) -> tuple[dict, set]:
+          failures: list, timeline: list, counts: dict) -> tuple[dict, set]:
     """Feeds ``jobs`` to the engine step by step with aborts and bad requests; returns the final
-    output of every request and the ids aborted while unfinished."""
+    output of every request and the ids aborted while unfinished (``counts`` gets the faults)."""
     pending = sorted(jobs, key=lambda j: j.arrive)
     aborts: dict[int, list] = {}
     for j in jobs:
@@ -412,12 +412,16 @@ def serve(engine: Engine, jobs: list[Job], rng: np.random.Generator, soak: SoakC
         for rid in aborts.pop(step, []):
             if rid not in finals and rid in added:
                 aborted_live.add(rid)
+            else:
+                counts["aborts_ignored"] += 1
             engine.abort(rid)  # finished or not yet added: ignored
             if rng.random() < 0.2:
                 engine.abort(rid)  # twice: still one final output
+                counts["aborts_twice"] += 1
         if rng.random() < soak.bad_request_rate:
             live = [r for r in added if r not in finals]
             inject_bad_request(engine, rng, live, failures)
+            counts["bad_requests"] += 1
         if rng.random() < 0.01:
             engine.abort("no-such-request")
         for out in engine.step():
@@ -443,8 +447,9 @@ def soak_run(run: str, jobs: list[Job], model, soak: SoakConfig, seed: int) -> t
     engine.warmup()
     compiled = compilations(engine)
     t0 = time.perf_counter()
+    counts = {"bad_requests": 0, "aborts_ignored": 0, "aborts_twice": 0}
     finals, aborted = serve(engine, jobs, np.random.default_rng(seed), soak, failures,
-                            timeline)
+                            timeline, counts)
     wall = time.perf_counter() - t0
     if compilations(engine) != compiled:
         failures.append(f"{compilations(engine) - compiled} compilations after warm-up")
@@ -503,6 +508,7 @@ def soak_run(run: str, jobs: list[Job], model, soak: SoakConfig, seed: int) -> t
         "requests": len(jobs), "completions": len(completions),
         "aborted_requests": len(aborted),
         "aborted_completions": sum(c.finish_reason == "abort" for c in completions),
+        **counts,
         "finish_stop": sum(c.finish_reason == "stop" for c in completions),
         "finish_length": sum(c.finish_reason == "length" for c in completions),
         "stop_strings_hit": sum(isinstance(c.stop_reason, str) for c in completions),
