@@ -17,7 +17,12 @@ finished), and bad requests at ``bad_request_rate`` per step that must be reject
 state change. Every check of llmserve/testing/soak.py runs afterwards; the program exits
 non-zero if any fails. Writes results/soak/<timestamp>/results.json (figures per run, every
 failure) and a plot of running / waiting requests and free pages per step.
-Measured (full, 2 shared CPU cores, 2026-11-30): see the figures in results.json.
+Measured (full, seed 0, 2 shared CPU cores at load 5-7, 2026-11-30, 248 s with warm-up and
+lone runs): PASS, 0 failed checks. 1,000 requests (1,288 completions; 334/334/332 plain/ngram/
+draft), 103 aborted (131 completions report abort), 49 bad requests rejected, 348 preemptions,
+12,685 tokens, 205 stopped (184 by a stop string), 952 by length; 784 completions equal their
+lone runs (every plain one, the greedy ones under speculation); acceptance 0.54 (n-gram) and
+0.82 (draft == target: the draft ignores penalties and min_tokens bans, so q != p there).
 """
 
 import ml_collections
