@@ -7,7 +7,7 @@ from llmserve.config import preset
 from llmserve.engine import Engine, EngineConfig
 from llmserve.model import init_params
 from llmserve.reference import generate_reference
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, child_seed
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,14 @@ def test_n_greater_than_one_shares_pages_copy_on_write(tiny):
     assert eng.blocks.stats.cow_copies == 2  # two of the three writers copy the shared page
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     assert eng.blocks.all_free()
+    # Oracle: each child equals the n = 1 request seeded child_seed(3, i), run alone.
+    solo = [run_all(eng, [prompt], [SamplingParams(temperature=1.0, seed=child_seed(3, i),
+                                                   max_tokens=8, ignore_eos=True)])[0]
+            for i in range(3)]
+    for child, alone in zip(out.outputs, solo):
+        assert child.token_ids == alone.outputs[0].token_ids
+        assert child.cumulative_logprob == pytest.approx(alone.outputs[0].cumulative_logprob,
+                                                         abs=1e-4)
 
 
 def test_seeded_sampling_is_batch_independent(tiny):
@@ -152,8 +160,12 @@ def test_bad_input_rejected_before_queueing(tiny, bad, match):
     cfg, params = tiny
     eng = make_engine(cfg, params)
     eng.add_request("ok", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5))
+    sp = SamplingParams()
+    for field, value in bad.get("params", {}).items():
+        with pytest.raises(ValueError, match=match):  # the constructor rejects it ...
+            SamplingParams(**{field: value})
+        setattr(sp, field, value)  # ... and so must add_request, when set afterwards
     with pytest.raises(ValueError, match=match):
-        sp = SamplingParams(**bad["params"]) if "params" in bad else SamplingParams()
         eng.add_request("bad", bad.get("prompt", [1, 2]), sp)
     assert "bad" not in eng.requests
     done = []

@@ -23,6 +23,7 @@ SMOKE = {
     "kernels": ("experiments.kernels", "kernels"),
     "serving": ("experiments.serving", "serving"),
     "train_lm": ("scripts.train_lm", "train_lm"),
+    "soak": ("experiments.soak", "soak"),
 }
 RESULT_KEYS = ("experiment", "name", "command", "config", "machine", "versions", "results",
                "summary", "notes", "plots")

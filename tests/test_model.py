@@ -88,15 +88,33 @@ def test_sampling_generate_is_seeded():
 
 
 def test_bfloat16_close_to_float32():
+    """bf16 logits within 3% of the logits' scale, and the same argmax wherever float32's top
+    two differ by more than the tolerance (weights spread so logits are of order 1-4, as in a
+    trained model; at init they are ~0.2 and any fixed atol says little)."""
     cfg = preset("tiny-gqa")
-    params = init_params(cfg, seed=3)
-    tokens = np.arange(1, 17, dtype=np.int32)[None]
+
+    def spread(path, x):
+        if "embedding" in jax.tree_util.keystr(path):
+            return x * (0.5 / x.std())
+        if "kernel" in jax.tree_util.keystr(path):
+            return x * (x.shape[0] ** -0.5 / x.std())
+        return x
+
+    params = jax.tree_util.tree_map_with_path(spread, init_params(cfg, seed=3))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32)).astype(np.int32)
     f32 = np.asarray(forward_dense(params, tokens, cfg))
     cfg16 = cfg.replace(dtype="bfloat16")
     p16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
     b16 = np.asarray(forward_dense(p16, tokens, cfg16))
     assert b16.dtype == np.float32
-    np.testing.assert_allclose(b16, f32, atol=0.05)
+    scale = np.abs(f32).max()
+    assert scale > 1.0  # the spread makes the logits large enough to compare
+    tol = 0.03 * scale
+    np.testing.assert_allclose(b16, f32, atol=tol, rtol=0)
+    top2 = np.sort(f32, axis=-1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 2 * tol  # [B, T]: argmax not within rounding
+    assert clear.mean() > 0.5
+    np.testing.assert_array_equal(b16.argmax(-1)[clear], f32.argmax(-1)[clear])
 
 
 def test_config_errors():

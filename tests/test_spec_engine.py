@@ -94,6 +94,17 @@ def test_sampled_speculation_runs_and_metrics(tiny):
                                                              max_tokens=12, ignore_eos=True)])[0]
     assert len(out.outputs[0].token_ids) == 12
     assert out.metrics.spec_proposed > 0 and out.metrics.spec_accepted > 0
+    # Draft == target: q == p, so min(1, p/q) accepts every draft (up to rounding).
+    prompts, _ = repetitive_workload(cfg, 6, seed=5)
+    sps = [SamplingParams(temperature=t, seed=i, max_tokens=16, ignore_eos=True, **kw)
+           for i, (t, kw) in enumerate([(0.8, {}), (1.0, {}), (1.2, dict(top_k=20)),
+                                        (1.0, dict(top_p=0.8)), (0.7, dict(min_p=0.05)),
+                                        (1.0, dict(n=2))])]
+    eng.stats.update(spec_proposed=0, spec_accepted=0)
+    outs = run_all(eng, prompts, sps)
+    assert all(len(c.token_ids) == 16 for o in outs for c in o.outputs)
+    assert eng.stats["spec_proposed"] > 60
+    assert eng.stats["spec_accepted"] >= 0.99 * eng.stats["spec_proposed"]
 
 
 def test_bad_speculative_config(tiny):
