@@ -49,6 +49,9 @@ class EngineConfig:
     prefill_buckets: tuple = ((1, 32), (1, 128), (4, 128))
     decode_buckets: Optional[tuple] = None  # default: by dtype (runner.default_decode_buckets)
     mixed_decode_buckets: Optional[tuple] = None  # decode rows beside prefill chunks
+    # Bitwise batch invariance: a request's tokens and logprobs never depend on what shares
+    # its steps, on chunking, caching or preemption (runner.invariant_min_rows).
+    batch_invariant: bool = False
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"  # or "static"
     # "paged": pages as a sequence grows; "contiguous": max_model_len reserved at admission
@@ -154,6 +157,7 @@ class Engine:
                              backend=backend, num_logprobs=config.max_logprobs,
                              decode_buckets=config.decode_buckets,
                              mixed_decode_buckets=config.mixed_decode_buckets,
+                             batch_invariant=config.batch_invariant,
                              prefill_buckets=prefill_buckets)
         self.blocks = BlockManager(num_pages, config.page_size,
                                    enable_prefix_caching=config.enable_prefix_caching,

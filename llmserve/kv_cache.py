@@ -108,6 +108,10 @@ class RaggedMetadata:
     write_page: Array  # [N] int32
     write_offset: Array  # [N] int32
     parts: tuple  # PartMetadata, in flat order
+    # Batch-invariant mode: every token attends alone, as a one-token query of its own
+    # sequence, so its bits never depend on its part's shape or on which tokens share the
+    # step. None in the default mode (parts attend as [B, t] batches).
+    per_token: Optional[PartMetadata] = None  # [Nq >= N] rows, t = 1
 
 
 @flax.struct.dataclass
@@ -195,6 +199,15 @@ class PagedKVCache:
         index = (slice(None), meta.write_page, meta.write_offset)
         kc = set_at(self.k[layer], index, jnp.moveaxis(k[0], 1, 0))
         vc = set_at(self.v[layer], index, jnp.moveaxis(v[0], 1, 0))
+        new_k = self.k[:layer] + (kc,) + self.k[layer + 1:]
+        new_v = self.v[:layer] + (vc,) + self.v[layer + 1:]
+        if meta.per_token is not None:
+            tok = meta.per_token
+            n, nq = q.shape[1], tok.block_tables.shape[0]
+            qt = jnp.pad(q[0], ((0, nq - n), (0, 0), (0, 0)))[:, None]  # [Nq, 1, heads, H]
+            out = attn_ops.paged_attention(qt, kc, vc, tok.block_tables, tok.q_start,
+                                           tok.lengths, backend=backend)
+            return out[:n, 0][None], self.replace(k=new_k, v=new_v)
         outs, off = [], 0
         for part in meta.parts:
             b, t = part.block_tables.shape[0], part.t
@@ -203,10 +216,10 @@ class PagedKVCache:
                                            part.lengths, backend=backend)
             outs.append(out.reshape(b * t, *q.shape[2:]))
             off += b * t
-        out = jnp.concatenate(outs)[None] if len(outs) > 1 else outs[0][None]
-        new_k = self.k[:layer] + (kc,) + self.k[layer + 1:]
-        new_v = self.v[:layer] + (vc,) + self.v[layer + 1:]
-        return out, self.replace(k=new_k, v=new_v)
+        out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+        if off < q.shape[1]:  # padding tokens past the parts (batch-invariant minimum size)
+            out = jnp.pad(out, ((0, q.shape[1] - off), (0, 0), (0, 0)))
+        return out[None], self.replace(k=new_k, v=new_v)
 
     def copy_pages(self, src: Array, dst: Array) -> "PagedKVCache":
         """Copies pages src [C] -> dst [C] in every layer (copy-on-write)."""

@@ -89,9 +89,12 @@ class StepInput:
         """The step's bucket: ((rows, tokens per row) per part)."""
         return tuple((p.block_tables.shape[0], p.t) for p in self.parts)
 
+    per_token: Optional[PartMetadata] = None  # batch-invariant mode: one query per token
+
     def metadata(self) -> RaggedMetadata:
         return RaggedMetadata(positions=self.positions[None], write_page=self.write_page,
-                              write_offset=self.write_offset, parts=self.parts)
+                              write_offset=self.write_offset, parts=self.parts,
+                              per_token=self.per_token)
 
 
 @flax.struct.dataclass
@@ -112,19 +115,22 @@ def suppress(logits: Array, inp: StepInput) -> Array:
 
 
 def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, backend: str,
-            logits_index: Optional[Array] = None):
+            logits_index: Optional[Array] = None, min_rows: int = 1):
     """The model over a step's flat tokens -> (logits [R, V] at ``logits_index``, default
-    ``sample_index``; cache)."""
+    ``sample_index``; cache). ``min_rows`` pads the vocabulary projection to at least that many
+    rows (batch-invariant mode: the matmul's numerics then never depend on R)."""
     index = inp.sample_index if logits_index is None else logits_index
+    r = index.shape[0]
+    index = jnp.pad(index, (0, max(0, min_rows - r)))
     logits, cache = Transformer(cfg).apply({"params": params}, inp.tokens[None],
                                            inp.metadata(), cache, backend=backend,
                                            logits_index=index[None])
-    return logits[0], cache
+    return logits[0, :r], cache
 
 
 def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput, *,
-          cfg: ModelConfig, backend: str, num_logprobs: int):
-    logits, cache = forward(params, cache, inp, cfg=cfg, backend=backend)
+          cfg: ModelConfig, backend: str, num_logprobs: int, min_rows: int = 1):
+    logits, cache = forward(params, cache, inp, cfg=cfg, backend=backend, min_rows=min_rows)
     logits = suppress(logits[:, None], inp)[:, 0]  # [R, V]
     # A sequence's sampler row was filled from its tokens when it was (re)admitted
     # (``init_sampler_rows``); each step only adds the tokens it emits.
@@ -141,7 +147,7 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput, *,
 
 def _verify_step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
                  draft_tokens: Array, num_draft: Array, draft_probs, *, cfg: ModelConfig,
-                 backend: str):
+                 backend: str, min_rows: int = 1):
     """Speculative verify over one part [B, 1 + R]: [last committed token, R drafts] per row.
 
     The drafts (from the host or straight from the draft model's device output) enter the
@@ -154,10 +160,10 @@ def _verify_step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInp
 
     (part,) = inp.parts
     b, t = part.block_tables.shape[0], part.t
-    tokens = inp.tokens.reshape(b, t).at[:, 1:].set(draft_tokens.astype(jnp.int32))
-    inp = inp.replace(tokens=tokens.reshape(-1))
+    rows = inp.tokens[: b * t].reshape(b, t).at[:, 1:].set(draft_tokens.astype(jnp.int32))
+    inp = inp.replace(tokens=jnp.concatenate([rows.reshape(-1), inp.tokens[b * t:]]))
     logits, cache = forward(params, cache, inp, cfg=cfg, backend=backend,
-                            logits_index=jnp.arange(b * t))
+                            logits_index=jnp.arange(b * t), min_rows=min_rows)
     logits = suppress(logits.reshape(b, t, -1), inp)  # [B, 1 + R, V]
     rows = jnp.arange(b)[:, None]
     counts = sstate.counts[inp.slot_ids]
@@ -172,10 +178,19 @@ def _verify_step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInp
 
 # Module-level jits with static config: every Runner of the same model and shapes shares one
 # compile cache (tests build many engines; a server builds one).
-_jit_step = jax.jit(_step, static_argnames=("cfg", "backend", "num_logprobs"),
+_jit_step = jax.jit(_step, static_argnames=("cfg", "backend", "num_logprobs", "min_rows"),
                     donate_argnames=("cache", "sstate"))
-_jit_verify = jax.jit(_verify_step, static_argnames=("cfg", "backend"),
+_jit_verify = jax.jit(_verify_step, static_argnames=("cfg", "backend", "min_rows"),
                       donate_argnames=("cache", "sstate"))
+
+
+def invariant_min_rows(dtype: str) -> int:
+    """Rows below which XLA:CPU's matmuls and batched attention change their summation order
+    (measured: fp32 dots give one result for 1 row, another for 2-32 and another from 48 up;
+    bf16 with f32 accumulation one for 1 row and another from 2 up; fp32 attention batches
+    differ below 8). Batch-invariant steps pad to at least this many tokens, logits rows and
+    attention queries, so every row is computed the same way whatever shares the step."""
+    return 8 if "bfloat16" in str(dtype) else 64
 
 
 @functools.partial(jax.jit, donate_argnames=("sstate",))
@@ -209,7 +224,8 @@ class Runner:
                  max_slots: int, max_model_len: int, backend: str, num_logprobs: int = 0,
                  decode_buckets: Sequence[int] | None = None,
                  prefill_buckets: Sequence[tuple[int, int]] = ((1, 128),),
-                 mixed_decode_buckets: Sequence[int] | None = None):
+                 mixed_decode_buckets: Sequence[int] | None = None,
+                 batch_invariant: bool = False):
         self.cfg = cfg
         self.params = jax.tree_util.tree_map(jnp.asarray, params)
         self.page_size = page_size
@@ -227,6 +243,8 @@ class Runner:
         self.mixed_decode_buckets = sorted(mixed_decode_buckets or [self.decode_buckets[-1]])
         self.prefill_buckets = sorted(prefill_buckets, key=lambda x: (x[0] * x[1], x))
         self.backend = backend
+        self.batch_invariant = batch_invariant
+        self.min_rows = invariant_min_rows(cfg.dtype) if batch_invariant else 1
 
     # ------------------------------------------------------------------ shapes
     def decode_bucket(self, n: int, mixed: bool = False) -> int:
@@ -282,7 +300,7 @@ class Runner:
         return self._build(parts)
 
     def _build(self, parts) -> StepInput:
-        n = sum(b * t for _, b, t in parts)
+        n = max(sum(b * t for _, b, t in parts), self.min_rows)
         r = sum(b for _, b, _ in parts)
         size, m, v = self.page_size, self.pages_per_seq, self.cfg.vocab_size
         tokens = np.zeros(n, np.int32)
@@ -326,11 +344,29 @@ class Runner:
                                       t=t))
             off += b * t
             row += b
+        per_token = self._per_token(metas, positions, write_page) \
+            if self.batch_invariant else None
         return StepInput(tokens=tokens, positions=positions, write_page=write_page,
-                         write_offset=write_offset, parts=tuple(metas),
+                         write_offset=write_offset, parts=tuple(metas), per_token=per_token,
                          sample_index=sample_index, sample_pos=sample_pos, slot_ids=slot_ids,
                          emit=emit, suppress_ids=suppress_ids, suppress_until=suppress_until,
                          sampling=sampling.SamplingArrays.from_lists(rows_sampling, xp=np))
+
+    def _per_token(self, metas, positions: np.ndarray, write_page: np.ndarray) -> PartMetadata:
+        """Batch-invariant attention metadata: each real token is a one-token query of its
+        own sequence (q_start = its position, its row's block table); padding sees nothing."""
+        owner = np.concatenate([np.repeat(np.arange(len(m.q_start)), m.t) + sum(
+            len(p.q_start) for p in metas[:i]) for i, m in enumerate(metas)])  # token -> row
+        tables = np.concatenate([m.block_tables for m in metas])  # [rows, M]
+        nq = max(len(positions), self.min_rows)
+        q_start = np.zeros(nq, np.int32)
+        lengths = np.zeros(nq, np.int32)
+        tok_tables = np.full((nq, tables.shape[1]), DUMMY_PAGE, np.int32)
+        real = np.flatnonzero(write_page[: len(owner)] != DUMMY_PAGE)  # live pages only
+        q_start[real] = positions[real]
+        lengths[real] = positions[real] + 1
+        tok_tables[real] = tables[owner[real]]
+        return PartMetadata(q_start=q_start, lengths=lengths, block_tables=tok_tables, t=1)
 
     # ------------------------------------------------------------------ execution
     def run(self, batch: StepInput) -> StepOutput:
@@ -338,7 +374,8 @@ class Runner:
         inp = jax.device_put(batch)
         out, self.cache, self.sstate = _jit_step(self.params, self.cache, self.sstate, inp,
                                                  cfg=self.cfg, backend=self.backend,
-                                                 num_logprobs=self.num_logprobs)
+                                                 num_logprobs=self.num_logprobs,
+                                                 min_rows=self.min_rows)
         return out
 
     def run_verify(self, batch: StepInput, draft_tokens, num_draft, draft_probs=None):
@@ -347,7 +384,8 @@ class Runner:
         inp = jax.device_put(batch)
         out, self.cache, self.sstate = _jit_verify(
             self.params, self.cache, self.sstate, inp, jnp.asarray(draft_tokens),
-            jnp.asarray(num_draft), draft_probs, cfg=self.cfg, backend=self.backend)
+            jnp.asarray(num_draft), draft_probs, cfg=self.cfg, backend=self.backend,
+            min_rows=self.min_rows)
         return out
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:

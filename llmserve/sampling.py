@@ -175,6 +175,14 @@ def _logsumexp(x: Array) -> Array:
     return top + jnp.log(jnp.sum(jnp.exp(x - top[:, None]), axis=-1))
 
 
+def row_logsumexp(x: Array) -> Array:
+    """``_logsumexp`` of materialized logits [R, V]: the barrier keeps XLA from fusing the
+    reduction into whatever produced the rows, so a row's result does not depend on that
+    producer (a verify step's [B*(1+R), V] vs a decode step's [B, V]): logprobs stay bitwise
+    equal with and without speculation."""
+    return _logsumexp(jax.lax.optimization_barrier(x))
+
+
 def _f32_to_key(x: Array) -> Array:
     """Order-preserving map f32 -> u32 (x < y  <=>  key(x) < key(y), for non-NaN x, y)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
@@ -396,7 +404,7 @@ def sample(
 
     tokens = jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, draw, penalized)
 
-    lse = _logsumexp(logits)  # [B]
+    lse = row_logsumexp(logits)  # [B]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs > 0:
         top_vals, top_ids = jax.lax.top_k(logits, num_logprobs)  # [B, n]

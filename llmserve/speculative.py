@@ -226,7 +226,7 @@ def verify(
     na = num_accepted[:, None]
     padded = jnp.pad(drafts, ((0, 0), (0, 1)))
     out = jnp.where(cols < na, padded, jnp.where(cols == na, final[:, None], PAD_TOKEN))
-    lse = sampling._logsumexp(raw.reshape(b * (k + 1), v)).reshape(b, k + 1)
+    lse = sampling.row_logsumexp(raw.reshape(b * (k + 1), v)).reshape(b, k + 1)
     chosen = jnp.take_along_axis(raw, jnp.maximum(out, 0)[..., None], axis=-1)[..., 0]
     logprobs = jnp.where(cols <= na, chosen - lse, 0.0)
     return VerifyOutput(num_accepted=num_accepted.astype(jnp.int32),
