@@ -22,6 +22,7 @@ SMOKE = {
     "paged": ("experiments.paged", "paged"),
     "kernels": ("experiments.kernels", "kernels"),
     "serving": ("experiments.serving", "serving"),
+    "invariance": ("experiments.invariance", "invariance"),
     "train_lm": ("scripts.train_lm", "train_lm"),
     "soak": ("experiments.soak", "soak"),
 }
