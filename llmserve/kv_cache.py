@@ -13,7 +13,8 @@ XLA updates the buffers in place.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Any, Optional
 
 import flax.struct
 import jax
@@ -25,6 +26,7 @@ from llmserve.ops import attention as attn_ops
 Array = jax.Array
 
 DUMMY_PAGE = 0
+KV_HEAD_AXIS = 0  # the kv-head axis of a paged layer [K, P, L, H]: what tensor parallelism splits
 
 
 @flax.struct.dataclass
@@ -111,6 +113,9 @@ class PagedKVCache:
 
     k: tuple  # n_layers x [K, P, L, H]
     v: tuple  # n_layers x [K, P, L, H]
+    # sharding.Shardings (its mesh splits the pages over kv heads), or None for one device:
+    # with it, each layer's write + attention runs per shard (sharding.per_kv_shard).
+    shardings: Any = flax.struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(cls, cfg: ModelConfig, num_pages: int, page_size: int,
@@ -157,19 +162,12 @@ class PagedKVCache:
                                   meta: RaggedMetadata, backend: str):
         """Flat tokens: q [1, N, N_heads, H], k/v [1, N, K, H]. One scatter writes every
         token's K/V; then each part attends as a [B, t] batch through the paged kernel."""
-        kc = self.k[layer].at[:, meta.write_page, meta.write_offset].set(
-            jnp.moveaxis(k[0], 1, 0).astype(self.k[layer].dtype))
-        vc = self.v[layer].at[:, meta.write_page, meta.write_offset].set(
-            jnp.moveaxis(v[0], 1, 0).astype(self.v[layer].dtype))
-        outs, off = [], 0
-        for part in meta.parts:
-            b, t = part.block_tables.shape[0], part.t
-            qp = q[0, off:off + b * t].reshape(b, t, *q.shape[2:])
-            out = attn_ops.paged_attention(qp, kc, vc, part.block_tables, part.q_start,
-                                           part.lengths, backend=backend)
-            outs.append(out.reshape(b * t, *q.shape[2:]))
-            off += b * t
-        out = jnp.concatenate(outs)[None] if len(outs) > 1 else outs[0][None]
+        fn = functools.partial(_ragged_layer, backend=backend)
+        if self.shardings is not None:
+            from llmserve.sharding import per_kv_shard
+
+            fn = per_kv_shard(fn, self.shardings.mesh)
+        out, kc, vc = fn(self.k[layer], self.v[layer], q, k, v, meta)
         new_k = self.k[:layer] + (kc,) + self.k[layer + 1:]
         new_v = self.v[:layer] + (vc,) + self.v[layer + 1:]
         return out, self.replace(k=new_k, v=new_v)
@@ -179,3 +177,24 @@ class PagedKVCache:
         k = tuple(x.at[:, dst].set(x[:, src]) for x in self.k)
         v = tuple(x.at[:, dst].set(x[:, src]) for x in self.v)
         return self.replace(k=k, v=v)
+
+
+def _ragged_layer(k_pages: Array, v_pages: Array, q: Array, k: Array, v: Array,
+                  meta: RaggedMetadata, *, backend: str):
+    """One layer over flat tokens: writes k/v [1, N, K, H] into pages [K, P, L, H], then each
+    part attends as a [B, t] batch -> (out [1, N, heads, H], k_pages, v_pages). Pure, so it
+    runs whole or once per kv-head shard."""
+    kc = k_pages.at[:, meta.write_page, meta.write_offset].set(
+        jnp.moveaxis(k[0], 1, 0).astype(k_pages.dtype))
+    vc = v_pages.at[:, meta.write_page, meta.write_offset].set(
+        jnp.moveaxis(v[0], 1, 0).astype(v_pages.dtype))
+    outs, off = [], 0
+    for part in meta.parts:
+        b, t = part.block_tables.shape[0], part.t
+        qp = q[0, off:off + b * t].reshape(b, t, *q.shape[2:])
+        out = attn_ops.paged_attention(qp, kc, vc, part.block_tables, part.q_start,
+                                       part.lengths, backend=backend)
+        outs.append(out.reshape(b * t, *q.shape[2:]))
+        off += b * t
+    out = jnp.concatenate(outs)[None] if len(outs) > 1 else outs[0][None]
+    return out, kc, vc

@@ -118,6 +118,8 @@ def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, ba
     logits, cache = Transformer(cfg).apply({"params": params}, inp.tokens[None],
                                            inp.metadata(), cache, backend=backend,
                                            logits_index=index[None])
+    if cache.shardings is not None:  # vocab-split logits: gathered once, sampled locally
+        logits = cache.shardings.gather_logits(logits, cfg.vocab_size)
     return logits[0], cache
 
 
@@ -207,15 +209,24 @@ class Runner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
                  max_slots: int, max_model_len: int, backend: str, num_logprobs: int = 0,
                  decode_buckets: Sequence[int] | None = None,
-                 prefill_buckets: Sequence[tuple[int, int]] = ((1, 128),)):
+                 prefill_buckets: Sequence[tuple[int, int]] = ((1, 128),),
+                 shardings=None):
+        # ``shardings`` (llmserve.sharding.Shardings, or None for one device): the mesh this
+        # runner's params and cache are split over; the jitted step follows their shardings.
+        self.shardings = shardings
+        if shardings is None:
+            self.params = jax.tree_util.tree_map(jnp.asarray, params)
+            self.cache = PagedKVCache.create(cfg, num_pages, page_size)
+            self.sstate = SamplerState.create(max_slots, cfg.vocab_size)
+        else:
+            cfg, self.params = shardings.prepare_model(cfg, params)  # may expand kv heads
+            self.cache = shardings.create_cache(cfg, num_pages, page_size)
+            self.sstate = shardings.replicate(SamplerState.create(max_slots, cfg.vocab_size))
         self.cfg = cfg
-        self.params = jax.tree_util.tree_map(jnp.asarray, params)
         self.page_size = page_size
         self.max_slots = max_slots
         self.pages_per_seq = -(-max_model_len // page_size)
         self.num_logprobs = num_logprobs
-        self.cache = PagedKVCache.create(cfg, num_pages, page_size)
-        self.sstate = SamplerState.create(max_slots, cfg.vocab_size)
         if decode_buckets is None:
             decode_buckets = sorted({min(max_slots, 1 << i) for i in range(3, 12)}
                                     | {max_slots})
@@ -329,20 +340,33 @@ class Runner:
     # ------------------------------------------------------------------ execution
     def run(self, batch: StepInput) -> StepOutput:
         """Runs one step (one device call) from a host batch; returns device outputs."""
-        inp = jax.device_put(batch)
+        inp = self.put(batch)
         out, self.cache, self.sstate = _jit_step(self.params, self.cache, self.sstate, inp,
                                                  cfg=self.cfg, backend=self.backend,
                                                  num_logprobs=self.num_logprobs)
-        return out
+        return out if self.shardings is None else self.shardings.local(out)
+
+    def put(self, tree):
+        """Host arrays -> device, in one transfer (replicated over the mesh when sharded)."""
+        if self.shardings is None:
+            return jax.device_put(tree)
+        return self.shardings.replicate(tree)
+
+    def lower_step(self, batch: StepInput):
+        """The step for ``batch``'s shape, lowered (``.compile().as_text()`` is its HLO after
+        partitioning: what experiments/sharding.py and the tests read for collectives)."""
+        return _jit_step.lower(self.params, self.cache, self.sstate, self.put(batch),
+                               cfg=self.cfg, backend=self.backend,
+                               num_logprobs=self.num_logprobs)
 
     def run_verify(self, batch: StepInput, draft_tokens, num_draft, draft_probs=None):
         """Runs one verify step: ``batch`` from ``prepare(rows, decode_width=1 + R)``;
         draft_tokens [B, R] (host or device) enter the tokens inside the jit."""
-        inp = jax.device_put(batch)
+        inp = self.put(batch)
         out, self.cache, self.sstate = _jit_verify(
             self.params, self.cache, self.sstate, inp, jnp.asarray(draft_tokens),
             jnp.asarray(num_draft), draft_probs, cfg=self.cfg, backend=self.backend)
-        return out
+        return out if self.shardings is None else self.shardings.local(out)
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates page src into dst for each pair (padded to a bucket)."""
