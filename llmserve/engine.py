@@ -202,11 +202,14 @@ class Engine:
                 f"{config.max_model_len} ({pages_per_seq} pages of {config.page_size} + 1 dummy)")
         prefill_buckets = tuple((b, min(c, config.max_num_batched_tokens))
                                 for b, c in config.prefill_buckets)
-        self.runner = Runner(cfg, params, num_pages=num_pages, page_size=config.page_size,
-                             max_slots=config.max_num_seqs, max_model_len=config.max_model_len,
-                             backend=backend, num_logprobs=config.max_logprobs,
-                             decode_buckets=config.decode_buckets,
-                             prefill_buckets=prefill_buckets, shardings=shardings)
+        runner_cls = Runner
+        if shardings is not None and shardings.multi_process:
+            from llmserve.multihost import LeaderRunner as runner_cls  # broadcasts each call
+        self.runner = runner_cls(
+            cfg, params, num_pages=num_pages, page_size=config.page_size,
+            max_slots=config.max_num_seqs, max_model_len=config.max_model_len, backend=backend,
+            num_logprobs=config.max_logprobs, decode_buckets=config.decode_buckets,
+            prefill_buckets=prefill_buckets, shardings=shardings)
         self.blocks = BlockManager(num_pages, config.page_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
                                    reservation=config.kv_reservation,

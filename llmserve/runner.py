@@ -377,7 +377,7 @@ class Runner:
         dst = np.full(max(n, 8), DUMMY_PAGE, np.int32)
         for i, (s, d) in enumerate(pairs):
             src[i], dst[i] = s, d
-        self.cache = _copy_pages(self.cache, jnp.asarray(src), jnp.asarray(dst))
+        self.cache = _copy_pages(self.cache, *self.put((src, dst)))
 
     def init_sampler_rows(self, rows: Sequence[tuple[int, Sequence[int], int]]) -> None:
         """Fills the penalty rows of (re)admitted sequences from their tokens.
@@ -395,8 +395,8 @@ class Runner:
             for i, (slot, tokens, num_prompt) in enumerate(rows[g:g + 4]):
                 slots[i], n_prompt[i], n_total[i] = slot, num_prompt, len(tokens)
                 ids[i, : len(tokens)] = tokens
-            self.sstate = _init_sampler_rows(self.sstate, jnp.asarray(slots), jnp.asarray(ids),
-                                             jnp.asarray(n_prompt), jnp.asarray(n_total))
+            self.sstate = _init_sampler_rows(self.sstate, *self.put((slots, ids, n_prompt,
+                                                                     n_total)))
 
     def warmup(self) -> None:
         """Compiles every step shape once (all rows padding: writes go to the dummy page)."""

@@ -23,7 +23,7 @@ repeated so the model has K' = tp kv heads, each device owns one, and the functi
 unchanged (each query head still reads its own kv head). Anything else is a ValueError.
 
 Multi-host: ``initialize_distributed`` wires ``jax.distributed.initialize`` from arguments or
-the environment; ``StepBroadcaster`` sends the leader's host batches to the other processes, so
+the environment; ``multihost.py`` sends the leader's host batches to the other processes, so
 every process runs the same SPMD step (see README "Sharding").
 """
 
@@ -150,6 +150,8 @@ def cache_spec(ndim: int) -> P:
 
     axes = [None] * ndim
     axes[KV_HEAD_AXIS] = MODEL
+    while axes and axes[-1] is None:  # jit returns P('model',), not P('model', None, ...):
+        axes.pop()  # the fresh cache must match the donated one, or the step compiles again
     return P(*axes)
 
 
@@ -291,53 +293,6 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
     return True
 
 
-# Ops a follower mirrors; header = [op, decode rows, decode width, prefill rows, chunk, n].
-OP_STOP, OP_STEP, OP_COPY, OP_SAMPLER = 0, 1, 2, 3
-
-
-class StepBroadcaster:
-    """Sends each device call's host arrays from process 0 to every other process.
-
-    Every process holds the same Runner over one global mesh. Process 0 (the leader) runs the
-    scheduler; before each device call it broadcasts a fixed-size header (which call, which
-    bucket) and then the call's numpy arrays. Followers build a template of that shape
-    (``Runner.empty_batch``) and receive into it, so all processes enter the same SPMD step
-    with the same data. ``broadcast_one_to_all`` is itself a tiny collective over every device.
-    """
-
-    HEADER = 6
-
-    def __init__(self):
-        from jax.experimental import multihost_utils
-
-        self._mu = multihost_utils
-        self.is_leader = jax.process_index() == 0
-
-    def send(self, header: Sequence[int], payload=None):
-        """Leader: broadcasts ``header`` then ``payload`` (numpy pytree); returns payload."""
-        head = np.zeros(self.HEADER, np.int32)
-        head[: len(header)] = header
-        self._mu.broadcast_one_to_all(head, is_source=True)
-        if payload is not None:
-            self._mu.broadcast_one_to_all(payload, is_source=True)
-        return payload
-
-    def receive_header(self) -> np.ndarray:
-        """Follower: the next call's header."""
-        return np.asarray(self._mu.broadcast_one_to_all(np.zeros(self.HEADER, np.int32),
-                                                        is_source=False))
-
-    def receive(self, template):
-        """Follower: the payload, received into a pytree shaped like ``template``."""
-        out = self._mu.broadcast_one_to_all(template, is_source=False)
-        return jax.tree_util.tree_map(np.asarray, out)
-
-
-__all__ = ["DATA", "MODEL", "Shardings", "StepBroadcaster", "cache_spec", "engine_shardings",
-           "expand_kv_heads", "initialize_distributed", "kv_head_plan", "make_mesh",
-           "param_specs", "partition_rules", "per_kv_shard", "shard_map"]
-
-
 # ------------------------------------------------------------------ HLO inspection
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                "collective-permute")
@@ -365,3 +320,8 @@ def hlo_collectives(hlo_text: str) -> list[dict]:
         out.append({"op": m.group("op"), "shapes": [f"{dt}{list(s)}" for dt, s in shapes],
                     "bytes": int(nbytes)})
     return out
+
+
+__all__ = ["DATA", "MODEL", "Shardings", "cache_spec", "engine_shardings", "expand_kv_heads",
+           "hlo_collectives", "initialize_distributed", "kv_head_plan", "make_mesh",
+           "param_specs", "partition_rules", "per_kv_shard", "shard_map"]
