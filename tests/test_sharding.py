@@ -138,6 +138,41 @@ def scenario(name: str) -> dict:
     return out
 
 
+def multihost_process() -> dict:
+    """One of two processes (2 CPU devices each) serving tiny-gqa at TP=4 over both.
+
+    jax.distributed is initialized from LLMSERVE_* environment variables. Process 0 runs the
+    engine (and a single-device engine as the oracle); process 1 follows its device calls.
+    """
+    from llmserve.sharding import initialize_distributed
+
+    assert initialize_distributed()
+    import jax
+
+    from llmserve.config import preset
+    from llmserve.engine import Engine, EngineConfig
+    from llmserve.model import init_params
+    from llmserve.multihost import follow
+
+    cfg = preset("tiny-gqa")
+    params = init_params(cfg, seed=3)
+    config = EngineConfig(**ENGINE, tensor_parallel_size=4)
+    eng = Engine(cfg, params, None, config)  # every process builds the same engine
+    if jax.process_index() != 0:
+        return {"follower_calls": follow(eng.runner)}
+    prompts, lens = _workload(cfg, 8, seed=11, shared_prefix=4)
+    eng.warmup()
+    compiles = eng.runner.num_compilations()
+    got, _ = _serve(eng, prompts, lens)
+    recompiled = eng.runner.num_compilations() - compiles
+    eng.runner.stop_followers()
+    want, _ = _serve(_engine(cfg, params), prompts, lens)  # one local device
+    return {"compare": _compare(want, got), "recompiled": recompiled,
+            "process_count": jax.process_count(), "devices": jax.device_count(),
+            "mesh_processes": sorted({d.process_index
+                                      for d in eng.runner.cache.k[0].devices()})}
+
+
 # ------------------------------------------------------------------ pytest side
 SCENARIOS = ("tp2", "tp3", "tp4", "dp2tp2")
 
@@ -194,5 +229,45 @@ def test_cache_split_over_kv_heads_and_features(results, name):
         assert all(n > 0 for n in r["replica_requests"])  # both replicas served requests
 
 
+def test_two_processes_with_jax_distributed():
+    """Two CPU processes (jax.distributed over gloo) serve one TP=4 engine: the leader's
+    tokens equal the single-device run, and the follower ran every broadcast call."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                   JAX_PLATFORMS="cpu", LLMSERVE_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   LLMSERVE_NUM_PROCESSES="2", LLMSERVE_PROCESS_ID=str(pid))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.test_sharding",
+                                       "--multihost"], cwd=root, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err[-4000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    leader, follower = outs
+    assert leader["process_count"] == 2 and leader["devices"] == 4
+    assert leader["mesh_processes"] == [0, 1]  # the KV cache spans both processes
+    c = leader["compare"]
+    assert c["mismatch"] == [] and c["compared"] >= 0.9 * c["total"], c
+    assert c["logprob_diff"] < LOGPROB_TOL, c
+    assert leader["recompiled"] == 0
+    assert follower["follower_calls"] > 0
+
+
 if __name__ == "__main__":
-    print(json.dumps({name: scenario(name) for name in sys.argv[1:]}, default=str))
+    if sys.argv[1:] == ["--multihost"]:
+        print(json.dumps(multihost_process(), default=str))
+    else:
+        print(json.dumps({name: scenario(name) for name in sys.argv[1:]}, default=str))
