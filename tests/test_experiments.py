@@ -22,6 +22,7 @@ SMOKE = {
     "paged": ("experiments.paged", "paged"),
     "kernels": ("experiments.kernels", "kernels"),
     "train_lm": ("scripts.train_lm", "train_lm"),
+    "sharding": ("experiments.sharding", "sharding"),
 }
 RESULT_KEYS = ("experiment", "name", "command", "config", "machine", "versions", "results",
                "summary", "notes", "plots")
