@@ -268,6 +268,74 @@ def test_two_processes_with_jax_distributed():
     assert follower["follower_calls"] > 0
 
 
+# ------------------------------------------------------------------ in-process, one device
+def test_head_count_rules_and_errors():
+    from llmserve.config import preset
+    from llmserve.sharding import kv_head_plan
+
+    assert kv_head_plan(preset("tiny-9-3"), 3) == "split"  # SmolLM2's heads: 1 kv head each
+    assert kv_head_plan(preset("tiny-gqa"), 2) == "split"
+    assert kv_head_plan(preset("tiny-gqa"), 4) == "replicate"  # 2 kv heads, each on 2 devices
+    with pytest.raises(ValueError, match="must divide the 9 query heads"):
+        kv_head_plan(preset("tiny-9-3"), 2)
+    with pytest.raises(ValueError, match="ffn_dim=1536"):
+        kv_head_plan(preset("smollm2-135m"), 9)
+    odd = preset("tiny-gqa").replace(n_heads=12, n_kv_heads=4, ffn_dim=96)
+    with pytest.raises(ValueError, match="neither divides the 4 kv heads"):
+        kv_head_plan(odd, 6)
+
+
+def test_replicated_kv_heads_compute_the_same_model():
+    """Repeating each kv head tp/K times (K' = tp) leaves the function unchanged: the
+    reference generate loop gives the same greedy tokens and near-equal logits."""
+    import jax.numpy as jnp
+
+    from llmserve.config import preset
+    from llmserve.model import init_params
+    from llmserve.reference import generate_reference
+    from llmserve.sharding import expand_kv_heads
+
+    cfg = preset("tiny-gqa")
+    params = init_params(cfg, seed=3)
+    cfg4, params4 = expand_kv_heads(cfg, params, 4)
+    assert cfg4.n_kv_heads == 4
+    k = params4["layers_0"]["attn"]["k_proj"]["kernel"].reshape(cfg.d_model, 4, cfg.head_dim)
+    assert jnp.array_equal(k[:, 0], k[:, 1]) and jnp.array_equal(k[:, 2], k[:, 3])
+    prompts = [[5, 9, 200, 17], [3, 1, 4, 1, 5, 9, 2, 6]]
+    assert generate_reference(params4, cfg4, prompts, 8) == generate_reference(
+        params, cfg, prompts, 8)
+
+
+def test_bad_parallel_sizes_raise_before_anything_is_built():
+    from llmserve.config import preset
+    from llmserve.engine import Engine, EngineConfig
+    from llmserve.sharding import make_mesh
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        EngineConfig(tensor_parallel_size=0).validate()
+    with pytest.raises(TypeError, match="data_parallel_size"):
+        EngineConfig(data_parallel_size=True).validate()
+    with pytest.raises(ValueError, match="needs 64 devices"):
+        make_mesh(64)
+    with pytest.raises(ValueError, match="must divide the 9 query heads"):
+        Engine(preset("tiny-9-3"), {}, None, EngineConfig(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="DataParallelEngine"):
+        Engine(preset("tiny-9-3"), {}, None, EngineConfig(data_parallel_size=2))
+
+
+def test_hlo_collectives_parses_sync_and_async_forms():
+    from llmserve.sharding import hlo_collectives
+
+    text = """
+  %all-reduce.3 = f32[1,8,64]{2,1,0} all-reduce(%x), channel_id=2, replica_groups={{0,1}}
+  %ag = (bf16[4,16]{1,0}, bf16[8,16]{1,0}) all-gather-start(%y), dimensions={0}
+  %p = f32[2]{0} add(%a, %b)
+"""
+    got = hlo_collectives(text)
+    assert got == [{"op": "all-reduce", "shapes": ["f32[1, 8, 64]"], "bytes": 2048},
+                   {"op": "all-gather", "shapes": ["bf16[8, 16]"], "bytes": 256}]
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--multihost"]:
         print(json.dumps(multihost_process(), default=str))
