@@ -17,8 +17,8 @@ partitioner splits the step over ``model`` from the shardings given here:
   cache.
 
 Head counts: ``tp`` splits the query heads N (``N % tp == 0``). If ``tp`` divides the kv heads
-K, each device owns K / tp of them. If instead K divides ``tp`` (``tp > K``: SmolLM2 has K = 3
-at tp = 6), every kv head is *replicated* ``tp / K`` times (vLLM's rule): k/v_proj columns are
+K, each device owns K / tp of them. If instead K divides ``tp`` (``tp > K``: 2 kv heads at
+tp = 4), every kv head is *replicated* ``tp / K`` times (vLLM's rule): k/v_proj columns are
 repeated so the model has K' = tp kv heads, each device owns one, and the function computed is
 unchanged (each query head still reads its own kv head). Anything else is a ValueError.
 
