@@ -63,6 +63,11 @@ class EngineConfig:
     speculative_config: Optional[dict] = None  # {"method": "ngram"|"draft", "model": ..., K}
     # vLLM's knob: the fraction of device memory (system memory on CPU) for weights + KV cache.
     gpu_memory_utilization: Optional[float] = None
+    # Model parallelism over a ("data", "model") mesh (vLLM names; see llmserve/sharding.py):
+    # weights and KV cache split over tensor_parallel_size devices; data_parallel_size
+    # replicas, each with its own slots and pages (llmserve/data_parallel.py routes to them).
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def validate(self) -> None:
         """Raises TypeError/ValueError naming the first bad field (before anything is built)."""
@@ -83,6 +88,8 @@ class EngineConfig:
         check("max_num_batched_tokens", lambda v: v >= 1, "must be an int >= 1")
         check("max_logprobs", lambda v: 0 <= v <= 20, "must be in [0, 20]")
         check("seed", lambda v: True, "")
+        check("tensor_parallel_size", lambda v: v >= 1, "must be an int >= 1")
+        check("data_parallel_size", lambda v: v >= 1, "must be an int >= 1")
         check("gpu_memory_utilization", lambda v: 0 < v <= 1, "must be in (0, 1]",
               optional=True, kind=float)
         if self.scheduling not in ("continuous", "static"):
@@ -129,7 +136,9 @@ class Engine:
     """The serving loop over one model: requests join and leave at every step."""
 
     def __init__(self, cfg: ModelConfig, params, tokenizer=None,
-                 config: Optional[EngineConfig] = None):
+                 config: Optional[EngineConfig] = None, shardings=None):
+        """``shardings``: this engine's mesh (one data-parallel replica); by default built from
+        ``config.tensor_parallel_size`` (None: one device)."""
         from llmserve.ops.attention import check_backend, default_backend
 
         self.cfg = cfg
@@ -144,6 +153,14 @@ class Engine:
                                                        max_model_len=cfg.sliding_window)
         self.tokenizer = tokenizer
         backend = check_backend(config.backend or default_backend())
+        if shardings is None and config.data_parallel_size > 1:
+            raise ValueError("Engine is one replica; data_parallel_size > 1 needs "
+                             "llmserve.data_parallel.DataParallelEngine (LLM builds it)")
+        if shardings is None and config.tensor_parallel_size > 1:
+            from llmserve.sharding import engine_shardings, kv_head_plan
+
+            kv_head_plan(cfg, config.tensor_parallel_size)  # a clear error before any work
+            shardings = engine_shardings(config.tensor_parallel_size)[0]
         num_pages = config.resolve_num_pages(cfg, tree_bytes(params))
         pages_per_seq = -(-config.max_model_len // config.page_size)
         if num_pages < pages_per_seq + 1:
@@ -152,13 +169,15 @@ class Engine:
                 f"{config.max_model_len} ({pages_per_seq} pages of {config.page_size} + 1 dummy)")
         prefill_buckets = tuple((b, min(c, config.max_num_batched_tokens))
                                 for b, c in config.prefill_buckets)
-        self.runner = Runner(cfg, params, num_pages=num_pages, page_size=config.page_size,
-                             max_slots=config.max_num_seqs, max_model_len=config.max_model_len,
-                             backend=backend, num_logprobs=config.max_logprobs,
-                             decode_buckets=config.decode_buckets,
-                             mixed_decode_buckets=config.mixed_decode_buckets,
-                             batch_invariant=config.batch_invariant,
-                             prefill_buckets=prefill_buckets)
+        runner_cls = Runner
+        if shardings is not None and shardings.multi_process:
+            from llmserve.multihost import LeaderRunner as runner_cls  # broadcasts each call
+        self.runner = runner_cls(
+            cfg, params, num_pages=num_pages, page_size=config.page_size,
+            max_slots=config.max_num_seqs, max_model_len=config.max_model_len, backend=backend,
+            num_logprobs=config.max_logprobs, decode_buckets=config.decode_buckets,
+            prefill_buckets=prefill_buckets, mixed_decode_buckets=config.mixed_decode_buckets,
+            batch_invariant=config.batch_invariant, shardings=shardings)
         self.blocks = BlockManager(num_pages, config.page_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
                                    reservation=config.kv_reservation,
@@ -200,6 +219,9 @@ class Engine:
         self.proposer = sp.DraftModelProposer(dcfg, dparams, num_pages=num_pages,
                                               page_size=self.config.page_size, k=k,
                                               backend=backend, target_vocab=self.cfg.vocab_size)
+        if self.runner.shardings is not None:  # the (small) draft model: whole on every device
+            self.proposer.params = self.runner.shardings.replicate(self.proposer.params)
+            self.proposer.cache = self.runner.shardings.replicate(self.proposer.cache)
         self.spec_stats = None
 
     # ------------------------------------------------------------------ requests

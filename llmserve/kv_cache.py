@@ -15,7 +15,8 @@ XLA updates the buffers in place.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Any, Optional
 
 import flax.struct
 import jax
@@ -28,6 +29,7 @@ from llmserve.ops.paged_attention import BF16_BITS
 Array = jax.Array
 
 DUMMY_PAGE = 0
+KV_HEAD_AXIS = 0  # the kv-head axis of a paged layer [K, P, L, H]: what tensor parallelism splits
 
 
 def page_storage_dtype(dtype, platform: Optional[str] = None):
@@ -152,6 +154,9 @@ class PagedKVCache:
 
     k: tuple  # n_layers x [K, P, L, H]
     v: tuple  # n_layers x [K, P, L, H]
+    # sharding.Shardings (its mesh splits the pages over kv heads), or None for one device:
+    # with it, each layer's write + attention runs per shard (sharding.per_kv_shard).
+    shardings: Any = flax.struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(cls, cfg: ModelConfig, num_pages: int, page_size: int,
@@ -196,33 +201,47 @@ class PagedKVCache:
                                   meta: RaggedMetadata, backend: str):
         """Flat tokens: q [1, N, N_heads, H], k/v [1, N, K, H]. One scatter writes every
         token's K/V; then each part attends as a [B, t] batch through the paged kernel."""
-        index = (slice(None), meta.write_page, meta.write_offset)
-        kc = set_at(self.k[layer], index, jnp.moveaxis(k[0], 1, 0))
-        vc = set_at(self.v[layer], index, jnp.moveaxis(v[0], 1, 0))
+        fn = functools.partial(_ragged_layer, backend=backend)
+        if self.shardings is not None:
+            from llmserve.sharding import per_kv_shard
+
+            fn = per_kv_shard(fn, self.shardings.mesh)
+        out, kc, vc = fn(self.k[layer], self.v[layer], q, k, v, meta)
         new_k = self.k[:layer] + (kc,) + self.k[layer + 1:]
         new_v = self.v[:layer] + (vc,) + self.v[layer + 1:]
-        if meta.per_token is not None:
-            tok = meta.per_token
-            n, nq = q.shape[1], tok.block_tables.shape[0]
-            qt = jnp.pad(q[0], ((0, nq - n), (0, 0), (0, 0)))[:, None]  # [Nq, 1, heads, H]
-            out = attn_ops.paged_attention(qt, kc, vc, tok.block_tables, tok.q_start,
-                                           tok.lengths, backend=backend)
-            return out[:n, 0][None], self.replace(k=new_k, v=new_v)
-        outs, off = [], 0
-        for part in meta.parts:
-            b, t = part.block_tables.shape[0], part.t
-            qp = q[0, off:off + b * t].reshape(b, t, *q.shape[2:])
-            out = attn_ops.paged_attention(qp, kc, vc, part.block_tables, part.q_start,
-                                           part.lengths, backend=backend)
-            outs.append(out.reshape(b * t, *q.shape[2:]))
-            off += b * t
-        out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
-        if off < q.shape[1]:  # padding tokens past the parts (batch-invariant minimum size)
-            out = jnp.pad(out, ((0, q.shape[1] - off), (0, 0), (0, 0)))
-        return out[None], self.replace(k=new_k, v=new_v)
+        return out, self.replace(k=new_k, v=new_v)
 
     def copy_pages(self, src: Array, dst: Array) -> "PagedKVCache":
         """Copies pages src [C] -> dst [C] in every layer (copy-on-write)."""
         k = tuple(set_at(x, (slice(None), dst), x[:, src]) for x in self.k)
         v = tuple(set_at(x, (slice(None), dst), x[:, src]) for x in self.v)
         return self.replace(k=k, v=v)
+
+
+def _ragged_layer(k_pages: Array, v_pages: Array, q: Array, k: Array, v: Array,
+                  meta: RaggedMetadata, *, backend: str):
+    """One layer over flat tokens: writes k/v [1, N, K, H] into pages [K, P, L, H], then each
+    part attends as a [B, t] batch (or, batch-invariant, every token alone) -> (out
+    [1, N, heads, H], k_pages, v_pages). Pure, so it runs whole or once per kv-head shard."""
+    index = (slice(None), meta.write_page, meta.write_offset)
+    kc = set_at(k_pages, index, jnp.moveaxis(k[0], 1, 0))
+    vc = set_at(v_pages, index, jnp.moveaxis(v[0], 1, 0))
+    if meta.per_token is not None:
+        tok = meta.per_token
+        n, nq = q.shape[1], tok.block_tables.shape[0]
+        qt = jnp.pad(q[0], ((0, nq - n), (0, 0), (0, 0)))[:, None]  # [Nq, 1, heads, H]
+        out = attn_ops.paged_attention(qt, kc, vc, tok.block_tables, tok.q_start, tok.lengths,
+                                       backend=backend)
+        return out[:n, 0][None], kc, vc
+    outs, off = [], 0
+    for part in meta.parts:
+        b, t = part.block_tables.shape[0], part.t
+        qp = q[0, off:off + b * t].reshape(b, t, *q.shape[2:])
+        out = attn_ops.paged_attention(qp, kc, vc, part.block_tables, part.q_start,
+                                       part.lengths, backend=backend)
+        outs.append(out.reshape(b * t, *q.shape[2:]))
+        off += b * t
+    out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+    if off < q.shape[1]:  # padding tokens past the parts (batch-invariant minimum size)
+        out = jnp.pad(out, ((0, q.shape[1] - off), (0, 0), (0, 0)))
+    return out[None], kc, vc

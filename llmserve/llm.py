@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-from llmserve.engine import Engine, EngineConfig
+from llmserve.data_parallel import make_engine
+from llmserve.engine import EngineConfig
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -17,7 +18,9 @@ class LLM:
     ``model`` is a Hugging Face directory (config.json + safetensors + tokenizer.json), a
     ``.gguf`` file, or None for the built-in SmolLM2-135M-Instruct. Engine knobs follow vLLM:
     ``max_model_len``, ``max_num_seqs``, ``page_size`` (vLLM's block_size), ``num_pages`` or
-    ``kv_cache_memory`` (bytes), ``enable_prefix_caching``, ``scheduling`` and ``backend``.
+    ``kv_cache_memory`` (bytes), ``enable_prefix_caching``, ``scheduling`` and ``backend``;
+    ``tensor_parallel_size`` (weights and KV cache split over that many devices) and
+    ``data_parallel_size`` (independent replicas behind one router), see llmserve/sharding.py.
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype: str = "auto",
@@ -59,7 +62,7 @@ class LLM:
         self.tokenizer = tokenizer
         config.max_model_len = min(max_model_len, cfg.max_position_embeddings)
         with phase("building the engine (KV cache, device params)"):
-            self.engine = Engine(cfg, params, tokenizer, config)
+            self.engine = make_engine(cfg, params, tokenizer, config)
         if warmup:
             with phase("compiling the step shapes (once per process)") as info:
                 self.engine.warmup()

@@ -125,6 +125,8 @@ def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, ba
     logits, cache = Transformer(cfg).apply({"params": params}, inp.tokens[None],
                                            inp.metadata(), cache, backend=backend,
                                            logits_index=index[None])
+    if cache.shardings is not None:  # vocab-split logits: gathered once, sampled locally
+        logits = cache.shardings.gather_logits(logits, cfg.vocab_size)
     return logits[0, :r], cache
 
 
@@ -225,15 +227,23 @@ class Runner:
                  decode_buckets: Sequence[int] | None = None,
                  prefill_buckets: Sequence[tuple[int, int]] = ((1, 128),),
                  mixed_decode_buckets: Sequence[int] | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, shardings=None):
+        # ``shardings`` (llmserve.sharding.Shardings, or None for one device): the mesh this
+        # runner's params and cache are split over; the jitted step follows their shardings.
+        self.shardings = shardings
+        if shardings is None:
+            self.params = jax.tree_util.tree_map(jnp.asarray, params)
+            self.cache = PagedKVCache.create(cfg, num_pages, page_size)
+            self.sstate = SamplerState.create(max_slots, cfg.vocab_size)
+        else:
+            cfg, self.params = shardings.prepare_model(cfg, params)  # may expand kv heads
+            self.cache = shardings.create_cache(cfg, num_pages, page_size)
+            self.sstate = shardings.replicate(SamplerState.create(max_slots, cfg.vocab_size))
         self.cfg = cfg
-        self.params = jax.tree_util.tree_map(jnp.asarray, params)
         self.page_size = page_size
         self.max_slots = max_slots
         self.pages_per_seq = -(-max_model_len // page_size)
         self.num_logprobs = num_logprobs
-        self.cache = PagedKVCache.create(cfg, num_pages, page_size)
-        self.sstate = SamplerState.create(max_slots, cfg.vocab_size)
         if decode_buckets is None:
             decode_buckets = default_decode_buckets(max_slots, cfg.dtype)
         self.decode_buckets = sorted(decode_buckets)
@@ -371,22 +381,35 @@ class Runner:
     # ------------------------------------------------------------------ execution
     def run(self, batch: StepInput) -> StepOutput:
         """Runs one step (one device call) from a host batch; returns device outputs."""
-        inp = jax.device_put(batch)
+        inp = self.put(batch)
         out, self.cache, self.sstate = _jit_step(self.params, self.cache, self.sstate, inp,
                                                  cfg=self.cfg, backend=self.backend,
                                                  num_logprobs=self.num_logprobs,
                                                  min_rows=self.min_rows)
-        return out
+        return out if self.shardings is None else self.shardings.local(out)
+
+    def put(self, tree):
+        """Host arrays -> device, in one transfer (replicated over the mesh when sharded)."""
+        if self.shardings is None:
+            return jax.device_put(tree)
+        return self.shardings.replicate(tree)
+
+    def lower_step(self, batch: StepInput):
+        """The step for ``batch``'s shape, lowered (``.compile().as_text()`` is its HLO after
+        partitioning: what experiments/sharding.py and the tests read for collectives)."""
+        return _jit_step.lower(self.params, self.cache, self.sstate, self.put(batch),
+                               cfg=self.cfg, backend=self.backend,
+                               num_logprobs=self.num_logprobs, min_rows=self.min_rows)
 
     def run_verify(self, batch: StepInput, draft_tokens, num_draft, draft_probs=None):
         """Runs one verify step: ``batch`` from ``prepare(rows, decode_width=1 + R)``;
         draft_tokens [B, R] (host or device) enter the tokens inside the jit."""
-        inp = jax.device_put(batch)
+        inp = self.put(batch)
         out, self.cache, self.sstate = _jit_verify(
             self.params, self.cache, self.sstate, inp, jnp.asarray(draft_tokens),
             jnp.asarray(num_draft), draft_probs, cfg=self.cfg, backend=self.backend,
             min_rows=self.min_rows)
-        return out
+        return out if self.shardings is None else self.shardings.local(out)
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates page src into dst for each pair (padded to a bucket)."""
@@ -397,7 +420,7 @@ class Runner:
         dst = np.full(max(n, 8), DUMMY_PAGE, np.int32)
         for i, (s, d) in enumerate(pairs):
             src[i], dst[i] = s, d
-        self.cache = _copy_pages(self.cache, jnp.asarray(src), jnp.asarray(dst))
+        self.cache = _copy_pages(self.cache, *self.put((src, dst)))
 
     def init_sampler_rows(self, rows: Sequence[tuple[int, Sequence[int], int]]) -> None:
         """Fills the penalty rows of (re)admitted sequences from their tokens.
@@ -415,14 +438,20 @@ class Runner:
             for i, (slot, tokens, num_prompt) in enumerate(rows[g:g + 4]):
                 slots[i], n_prompt[i], n_total[i] = slot, num_prompt, len(tokens)
                 ids[i, : len(tokens)] = tokens
-            self.sstate = _init_sampler_rows(self.sstate, jnp.asarray(slots), jnp.asarray(ids),
-                                             jnp.asarray(n_prompt), jnp.asarray(n_total))
+            self.sstate = _init_sampler_rows(self.sstate, *self.put((slots, ids, n_prompt,
+                                                                     n_total)))
 
     def reset(self) -> None:
         """Fresh (zeroed) cache and sampler state, e.g. after a failed step consumed the
         donated buffers; compiled steps are kept."""
-        self.cache = PagedKVCache.create(self.cfg, self.cache.num_pages, self.page_size)
-        self.sstate = SamplerState.create(self.max_slots, self.cfg.vocab_size)
+        num_pages = self.cache.num_pages
+        sstate = SamplerState.create(self.max_slots, self.cfg.vocab_size)
+        if self.shardings is None:
+            self.cache = PagedKVCache.create(self.cfg, num_pages, self.page_size)
+            self.sstate = sstate
+        else:
+            self.cache = self.shardings.create_cache(self.cfg, num_pages, self.page_size)
+            self.sstate = self.shardings.replicate(sstate)
 
     def warmup(self) -> None:
         """Compiles every step shape once (all rows padding: writes go to the dummy page)."""

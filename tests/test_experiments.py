@@ -25,6 +25,7 @@ SMOKE = {
     "invariance": ("experiments.invariance", "invariance"),
     "train_lm": ("scripts.train_lm", "train_lm"),
     "soak": ("experiments.soak", "soak"),
+    "sharding": ("experiments.sharding", "sharding"),
 }
 RESULT_KEYS = ("experiment", "name", "command", "config", "machine", "versions", "results",
                "summary", "notes", "plots")
