@@ -258,9 +258,9 @@ class Tokenizer:
         Raises ValueError/TypeError for an empty conversation or a message without a string
         ``role`` and ``content`` (instead of a template error deep inside jinja).
         """
-        check_conversation(messages)
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
+        check_conversation(messages)
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
