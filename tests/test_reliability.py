@@ -17,6 +17,7 @@ from llmserve.model import init_params
 from llmserve.reference import decode_dense, generate_reference, prefill_dense
 from llmserve.sampling_params import SamplingParams, child_seed, request_seed
 
+from .conftest import tiny_over_smollm2_vocab
 from .test_engine import make_engine, run_all
 
 
@@ -27,17 +28,10 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def tok_model():
+def tok_model(smollm2_tokenizer):
     """A tiny random model over SmolLM2's real vocabulary, with its GGUF tokenizer."""
-    from llmserve.checkpoint.gguf import default_model_path
-    from llmserve.tokenizer import Tokenizer
-
-    try:
-        tok = Tokenizer.from_gguf(default_model_path())
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    cfg = preset("tiny-9-3").replace(vocab_size=tok.vocab_size, eos_token_id=2)
-    return cfg, init_params(cfg, seed=2), tok
+    cfg = tiny_over_smollm2_vocab(smollm2_tokenizer)
+    return cfg, init_params(cfg, seed=2), smollm2_tokenizer
 
 
 def penalized_greedy(params, cfg, prompt, n, *, presence=0.0, frequency=0.0, repetition=1.0):
