@@ -83,12 +83,6 @@ class StepInput:
     suppress_ids: Array  # [R, E] int32: token ids banned (min_tokens not reached); V = none
     suppress_until: Array  # [R] int32: the ban holds for this many sampled positions
     sampling: sampling.SamplingArrays  # [R] per-row parameters
-
-    @property
-    def shape(self) -> tuple:
-        """The step's bucket: ((rows, tokens per row) per part)."""
-        return tuple((p.block_tables.shape[0], p.t) for p in self.parts)
-
     per_token: Optional[PartMetadata] = None  # batch-invariant mode: one query per token
 
     def metadata(self) -> RaggedMetadata:

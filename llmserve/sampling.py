@@ -35,7 +35,7 @@ import numpy as np
 Array = jax.Array
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5
 
 # The neutral value of each parameter; the field order of SamplingArrays.
 NEUTRAL: dict[str, Any] = {
@@ -108,7 +108,7 @@ class SampleOutput:
 
 
 def _is_greedy(arrays: SamplingArrays) -> Array:
-    return arrays.temperature < _GREEDY_EPS  # [B] bool
+    return arrays.temperature < GREEDY_EPS  # [B] bool
 
 
 def apply_penalties(
@@ -157,7 +157,7 @@ def _maybe_penalize(
     )
 
 
-def _argmax(x: Array) -> Array:
+def argmax(x: Array) -> Array:
     """First index of the row maximum, [B, V] -> [B] i32.
 
     Same result as jnp.argmax, but two plain float reductions: XLA:CPU's variadic
@@ -168,19 +168,11 @@ def _argmax(x: Array) -> Array:
     return jnp.min(jnp.where(x == top, iota, jnp.inf), axis=-1).astype(jnp.int32)
 
 
-def _logsumexp(x: Array) -> Array:
+def logsumexp(x: Array) -> Array:
     """Row log-sum-exp [B, V] -> [B] for finite rows (raw model logits); cheaper than jax.nn's."""
     top = jnp.max(x, axis=-1)  # [B]
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     return top + jnp.log(jnp.sum(jnp.exp(x - top[:, None]), axis=-1))
-
-
-def row_logsumexp(x: Array) -> Array:
-    """``_logsumexp`` of materialized logits [R, V]: the barrier keeps XLA from fusing the
-    reduction into whatever produced the rows, so a row's result does not depend on that
-    producer (a verify step's [B*(1+R), V] vs a decode step's [B, V]): logprobs stay bitwise
-    equal with and without speculation."""
-    return _logsumexp(jax.lax.optimization_barrier(x))
 
 
 def _f32_to_key(x: Array) -> Array:
@@ -319,7 +311,7 @@ def probs_from_logits(
     """
     penalized = _maybe_penalize(logits, arrays, output_counts, prompt_mask)  # [B, V]
     greedy = _is_greedy(arrays)
-    one_hot = jax.nn.one_hot(_argmax(penalized), penalized.shape[-1], dtype=jnp.float32)
+    one_hot = jax.nn.one_hot(argmax(penalized), penalized.shape[-1], dtype=jnp.float32)
 
     def mixed(x):
         probs = jax.nn.softmax(_scale_and_filter(x, arrays), axis=-1)
@@ -395,7 +387,7 @@ def sample(
     logits = logits.astype(jnp.float32)
     penalized = _maybe_penalize(logits, arrays, output_counts, prompt_mask)  # [B, V]
     greedy = _is_greedy(arrays)
-    greedy_tokens = _argmax(penalized)  # [B]
+    greedy_tokens = argmax(penalized)  # [B]
 
     def draw(x):
         processed = _scale_and_filter(x, arrays)
@@ -404,7 +396,7 @@ def sample(
 
     tokens = jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, draw, penalized)
 
-    lse = row_logsumexp(logits)  # [B]
+    lse = logsumexp(logits)  # [B]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs > 0:
         top_vals, top_ids = jax.lax.top_k(logits, num_logprobs)  # [B, n]

@@ -117,8 +117,8 @@ def _accept(logits: Array, drafts: Array, valid: Array, draft_probs: Optional[Ar
     """(num_accepted [B], target token [B]) from penalized target logits [B, K+1, V]."""
     b, t, v = logits.shape
     k = t - 1
-    greedy = arrays.temperature < sampling._GREEDY_EPS  # [B]
-    target_top = sampling._argmax(logits.reshape(b * t, v)).reshape(b, t)
+    greedy = arrays.temperature < sampling.GREEDY_EPS  # [B]
+    target_top = sampling.argmax(logits.reshape(b * t, v)).reshape(b, t)
     n_greedy = _leading_true(valid & (drafts == target_top[:, :k]))  # [B]
     tok_greedy = _pick(target_top, n_greedy)
 
@@ -127,7 +127,7 @@ def _accept(logits: Array, drafts: Array, valid: Array, draft_probs: Optional[Ar
         # already applied; greedy rows are overridden below). Only p(x_j) and row n are needed.
         proc = sampling.process_logits(logits.reshape(b * t, v), _repeat_rows(arrays, t))
         proc = proc.reshape(b, t, v)
-        lse = sampling._logsumexp(proc.reshape(b * t, v)).reshape(b, t)  # [B, K+1]
+        lse = sampling.logsumexp(proc.reshape(b * t, v)).reshape(b, t)  # [B, K+1]
         p_x = jnp.exp(jnp.take_along_axis(proc[:, :k], drafts[..., None], axis=-1)[..., 0]
                       - lse[:, :k])  # [B, K]
         if draft_probs is None:
@@ -226,7 +226,7 @@ def verify(
     na = num_accepted[:, None]
     padded = jnp.pad(drafts, ((0, 0), (0, 1)))
     out = jnp.where(cols < na, padded, jnp.where(cols == na, final[:, None], PAD_TOKEN))
-    lse = sampling.row_logsumexp(raw.reshape(b * (k + 1), v)).reshape(b, k + 1)
+    lse = sampling.logsumexp(raw.reshape(b * (k + 1), v)).reshape(b, k + 1)
     chosen = jnp.take_along_axis(raw, jnp.maximum(out, 0)[..., None], axis=-1)[..., 0]
     logprobs = jnp.where(cols <= na, chosen - lse, 0.0)
     return VerifyOutput(num_accepted=num_accepted.astype(jnp.int32),
@@ -353,9 +353,9 @@ def _draft_token(logits: Array, arrays: SamplingArrays, positions: Array,
                  counts: Optional[Array], prompt_mask: Optional[Array]):
     """q = probs_from_logits(...) [B, V] and a token drawn from it with the draft stream."""
     q = sampling.probs_from_logits(logits, arrays, counts, prompt_mask)
-    greedy = arrays.temperature < sampling._GREEDY_EPS
+    greedy = arrays.temperature < sampling.GREEDY_EPS
     drawn = _draw(q, _tagged_uniforms(arrays.seed, positions, _DRAFT_TAG))
-    return jnp.where(greedy, sampling._argmax(q), drawn), q
+    return jnp.where(greedy, sampling.argmax(q), drawn), q
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "backend"),
