@@ -101,7 +101,7 @@ class EngineConfig:
                 f"KV cache of {self.num_pages} pages cannot hold one sequence of max_model_len="
                 f"{self.max_model_len} ({pages_per_seq} pages of {self.page_size} + 1 dummy)")
         if self.speculative_config is not None:
-            from llmserve.speculative import SpeculativeConfig
+            from llmserve.speculative.policy import SpeculativeConfig
 
             SpeculativeConfig.from_dict(self.speculative_config)
         given = [k for k in ("num_pages", "kv_cache_memory", "gpu_memory_utilization")
@@ -202,13 +202,15 @@ class Engine:
             self._init_speculation(config.speculative_config, num_pages, backend)
 
     def _init_speculation(self, spec_cfg, num_pages: int, backend: str) -> None:
-        from llmserve import speculative as sp
+        from llmserve.speculative import policy as sp
+        from llmserve.speculative import proposers
+        from llmserve.speculative.ngram import NgramProposer
 
         self.spec = spec = sp.SpeculativeConfig.from_dict(spec_cfg)
         k = spec.num_speculative_tokens
         self.policy = sp.SpeculationPolicy(k, adaptive=spec.adaptive)
         if spec.method == "ngram":
-            self.proposer = sp.NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min, k)
+            self.proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min, k)
             return
         if isinstance(spec.model, (tuple, list)):
             dcfg, dparams = spec.model
@@ -216,7 +218,7 @@ class Engine:
             from llmserve.checkpoint import load_checkpoint
 
             dcfg, dparams = load_checkpoint(spec.model, dtype=self.cfg.dtype)
-        self.proposer = sp.DraftModelProposer(dcfg, dparams, num_pages=num_pages,
+        self.proposer = proposers.DraftModelProposer(dcfg, dparams, num_pages=num_pages,
                                               page_size=self.config.page_size, k=k,
                                               backend=backend, target_vocab=self.cfg.vocab_size)
         if self.runner.shardings is not None:  # the (small) draft model: whole on every device
@@ -538,7 +540,7 @@ class Engine:
 
     def _verify_rows(self, seqs: list, b: int):
         """Proposes up to R drafts for each sequence and runs one verify step [b, 1 + R]."""
-        from llmserve.speculative import ProposeInput
+        from llmserve.speculative.proposers import ProposeInput
 
         k = self.spec.num_speculative_tokens
         room = np.zeros(b, np.int32)  # drafts each row may carry (max_model_len, policy)

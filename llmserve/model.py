@@ -203,13 +203,17 @@ class Transformer(nn.Module):
     ``logits_index`` (optional) selects positions before the vocabulary projection: [B] picks
     one per sequence (logits [B, 1, V], e.g. a prompt's last token), [B, R] picks R (a step's
     sampled rows over its flat tokens: logits [B, R, V]).
+
+    ``return_hidden``: also return the last layer's output before the final norm at the same
+    positions ([B, R, D] float32): the feature an EAGLE draft head reads.
     """
 
     cfg: ModelConfig
 
     @nn.compact
     def __call__(self, tokens: Array, meta: AttentionMetadata, cache: Any,
-                 backend: str = "xla", logits_index: Array | None = None):
+                 backend: str = "xla", logits_index: Array | None = None,
+                 return_hidden: bool = False):
         cfg = self.cfg
         embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype, name="embed")
         x = embed(tokens)  # [B, T, D] float32: the residual stream stays f32
@@ -218,11 +222,14 @@ class Transformer(nn.Module):
         if logits_index is not None:
             index = logits_index if logits_index.ndim == 2 else logits_index[:, None]
             x = jnp.take_along_axis(x, index[:, :, None].astype(jnp.int32), axis=1)
+        hidden = x
         x = RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
             logits = embed.attend(x)
         else:
             logits = _dense(cfg.vocab_size, "lm_head", cfg)(x)
+        if return_hidden:
+            return logits.astype(jnp.float32), cache, hidden.astype(jnp.float32)
         return logits.astype(jnp.float32), cache
 
 

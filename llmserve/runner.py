@@ -31,6 +31,7 @@ from llmserve import sampling
 from llmserve.config import ModelConfig
 from llmserve.kv_cache import DUMMY_PAGE, PagedKVCache, PartMetadata, RaggedMetadata
 from llmserve.model import Transformer
+from llmserve.speculative.verify import verify
 
 Array = jax.Array
 
@@ -152,8 +153,6 @@ def _verify_step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInp
     K/V written for rejected drafts is never read: attention stops at each sequence's length,
     and the next step overwrites it.
     """
-    from llmserve import speculative
-
     (part,) = inp.parts
     b, t = part.block_tables.shape[0], part.t
     rows = inp.tokens[: b * t].reshape(b, t).at[:, 1:].set(draft_tokens.astype(jnp.int32))
@@ -164,7 +163,7 @@ def _verify_step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInp
     rows = jnp.arange(b)[:, None]
     counts = sstate.counts[inp.slot_ids]
     pmask = sstate.prompt_mask[inp.slot_ids]
-    out = speculative.verify(draft_tokens, draft_probs, logits, inp.sampling, part.q_start + 1,
+    out = verify(draft_tokens, draft_probs, logits, inp.sampling, part.q_start + 1,
                              counts, pmask, num_draft=num_draft)
     emitted = (out.out_tokens >= 0) & inp.emit[:, None]
     counts = counts.at[rows, jnp.maximum(out.out_tokens, 0)].add(emitted.astype(jnp.int32))

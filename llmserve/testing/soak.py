@@ -385,9 +385,9 @@ def compilations(engine: Engine) -> int:
     """Executables of the engine's jitted steps (and the draft model's), process-wide."""
     n = engine.runner.num_compilations()
     if engine.spec is not None and engine.spec.method == "draft":
-        from llmserve import speculative
+        from llmserve.speculative import draft
 
-        n += speculative.draft_prefill._cache_size() + speculative.draft_propose._cache_size()
+        n += draft.draft_prefill._cache_size() + draft.draft_propose._cache_size()
     return n
 
 

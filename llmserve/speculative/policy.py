@@ -1,0 +1,94 @@
+"""Host side of speculation: the vLLM-style config and the never-slower policy (no jax)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class SpeculativeConfig:
+    """vLLM-style ``speculative_config``: method "ngram" or "draft", K, and the draft model."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    model: Any = None  # draft: a path, or a (ModelConfig, params) pair
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    adaptive: bool = True  # the "never slower" rule below
+
+    @classmethod
+    def from_dict(cls, d) -> "SpeculativeConfig":
+        if isinstance(d, cls):
+            return d
+        d = dict(d)
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+        cfg = cls(**d)
+        if cfg.method not in ("ngram", "draft"):
+            raise ValueError(f"speculative_config.method={cfg.method!r}: use 'ngram' or 'draft'")
+        if not 1 <= cfg.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config.num_speculative_tokens must be in [1, 16]")
+        if cfg.method == "draft" and cfg.model is None:
+            raise ValueError("speculative_config: method 'draft' needs 'model'")
+        return cfg
+
+
+class SpeculationPolicy:
+    """Decides per step whether to verify K drafts or decode one token, so it is never slower.
+
+    Rule: each request keeps an EMA ``a`` of its per-token acceptance rate (prior 0.6). A row
+    with K drafts is expected to emit 1 + a + a^2 + ... + a^K tokens. A step speculates when
+    (expected tokens of all rows) / t_verify > rows / t_decode, with both step times measured
+    (EMA per batch bucket, seeded at warm-up). A request whose EMA falls below ``min_rate``
+    after ``min_steps`` verify steps stops proposing (its rows then carry 0 drafts).
+    """
+
+    def __init__(self, k: int, *, prior: float = 0.6, decay: float = 0.8,
+                 min_rate: float = 0.1, min_steps: int = 4, adaptive: bool = True):
+        self.k, self.prior, self.decay = k, prior, decay
+        self.min_rate, self.min_steps, self.adaptive = min_rate, min_steps, adaptive
+        self.rate: dict[int, float] = {}
+        self.steps: dict[int, int] = {}
+        self.t_decode: dict[int, float] = {}
+        self.t_verify: dict[int, float] = {}
+
+    def proposes(self, seq_id: int) -> bool:
+        """False once a request has shown it rarely accepts drafts."""
+        if not self.adaptive:
+            return True
+        return not (self.steps.get(seq_id, 0) >= self.min_steps
+                    and self.rate.get(seq_id, self.prior) < self.min_rate)
+
+    def expected_tokens(self, seq_id: int) -> float:
+        if not self.proposes(seq_id):
+            return 1.0
+        a = self.rate.get(seq_id, self.prior)
+        return sum(a ** j for j in range(self.k + 1))
+
+    def speculate(self, seq_ids, bucket: int) -> bool:
+        if not self.adaptive:
+            return True
+        td, tv = self.t_decode.get(bucket), self.t_verify.get(bucket)
+        if td is None or tv is None:
+            return True
+        gain = sum(self.expected_tokens(s) for s in seq_ids) / tv
+        return gain > len(seq_ids) / td
+
+    def record(self, seq_id: int, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        r = accepted / proposed
+        old = self.rate.get(seq_id, self.prior)
+        self.rate[seq_id] = self.decay * old + (1 - self.decay) * r
+        self.steps[seq_id] = self.steps.get(seq_id, 0) + 1
+
+    def time(self, kind: str, bucket: int, seconds: float) -> None:
+        table = self.t_verify if kind == "verify" else self.t_decode
+        old = table.get(bucket)
+        table[bucket] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    def forget(self, seq_id: int) -> None:
+        self.rate.pop(seq_id, None)
+        self.steps.pop(seq_id, None)
