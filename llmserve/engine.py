@@ -26,8 +26,6 @@ from llmserve.runner import (
     ScheduledRow,
     device_memory_bytes,
     fetch,
-    padded_verify_rows,
-    part_arrays,
     tree_bytes,
     wait,
 )
@@ -177,6 +175,7 @@ class Engine:
             max_slots=config.max_num_seqs, max_model_len=config.max_model_len, backend=backend,
             num_logprobs=config.max_logprobs, decode_buckets=config.decode_buckets,
             prefill_buckets=prefill_buckets, mixed_decode_buckets=config.mixed_decode_buckets,
+            num_speculative_tokens=self._num_speculative_tokens(config),
             batch_invariant=config.batch_invariant, shardings=shardings)
         self.blocks = BlockManager(num_pages, config.page_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
@@ -201,16 +200,24 @@ class Engine:
         if config.speculative_config is not None:
             self._init_speculation(config.speculative_config, num_pages, backend)
 
+    @staticmethod
+    def _num_speculative_tokens(config: EngineConfig) -> int:
+        if config.speculative_config is None:
+            return 0
+        from llmserve.speculative.policy import SpeculativeConfig
+
+        return SpeculativeConfig.from_dict(config.speculative_config).num_speculative_tokens
+
     def _init_speculation(self, spec_cfg, num_pages: int, backend: str) -> None:
         from llmserve.speculative import policy as sp
         from llmserve.speculative import proposers
-        from llmserve.speculative.ngram import NgramProposer
 
         self.spec = spec = sp.SpeculativeConfig.from_dict(spec_cfg)
         k = spec.num_speculative_tokens
         self.policy = sp.SpeculationPolicy(k, adaptive=spec.adaptive)
         if spec.method == "ngram":
-            self.proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min, k)
+            self.proposer = proposers.NgramLookup(spec.prompt_lookup_max, spec.prompt_lookup_min,
+                                                  k)
             return
         if isinstance(spec.model, (tuple, list)):
             dcfg, dparams = spec.model
@@ -218,38 +225,35 @@ class Engine:
             from llmserve.checkpoint import load_checkpoint
 
             dcfg, dparams = load_checkpoint(spec.model, dtype=self.cfg.dtype)
-        self.proposer = proposers.DraftModelProposer(dcfg, dparams, num_pages=num_pages,
-                                              page_size=self.config.page_size, k=k,
-                                              backend=backend, target_vocab=self.cfg.vocab_size)
-        if self.runner.shardings is not None:  # the (small) draft model: whole on every device
-            self.proposer.params = self.runner.shardings.replicate(self.proposer.params)
-            self.proposer.cache = self.runner.shardings.replicate(self.proposer.cache)
-        self.spec_stats = None
+        self.proposer = proposers.DraftModelProposer(
+            dcfg, dparams, num_pages=num_pages, page_size=self.config.page_size,
+            num_speculative_tokens=k, backend=backend, target_vocab=self.cfg.vocab_size,
+            shardings=self.runner.shardings)
 
     # ------------------------------------------------------------------ requests
     def warmup(self) -> None:
         """Compiles every step shape once; no compilation happens while serving afterwards.
 
-        With speculation on, it also compiles the verify (and draft) shapes and times decode
-        against verify per bucket, seeding the never-slower policy.
+        With speculation on, it also compiles the proposer's calls and times decode against
+        verify per bucket, seeding the never-slower policy.
         """
-        self.runner.warmup()
+        device_drafts = self.spec is not None and self.proposer.device_drafts
+        self.runner.warmup(device_drafts=device_drafts)
         if self.spec is None:
             return
-        for b in self.runner.decode_buckets:
-            for attempt in range(2):  # only the second run is timed: the first compiles
+        self.proposer.warmup(self.runner)
+        for shape in self.runner.step_shapes():
+            d, p, w = shape
+            if p is not None or d == 0:
+                continue
+            batch = self.runner.empty_batch(shape)
+            for attempt in range(2):  # the first run may still allocate; the second is timed
                 t0 = time.perf_counter()
-                wait(self.runner.run(self.runner.empty_batch((b, None))))
-                t_decode = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                out = self._verify_rows([], b)
-                wait(out)
+                drafts, probs = self.proposer.drafts([], batch) if w > 1 else (None, None)
+                wait(self.runner.run(batch, drafts, probs))
                 if attempt == 1:
-                    self.policy.time("decode", b, t_decode)
-                    self.policy.time("verify", b, time.perf_counter() - t0)
-        if hasattr(self.proposer, "prefill"):
-            for bucket in self.runner.prefill_buckets:
-                self._mirror_prefill(self.runner.empty_batch((0, bucket)), 0)
+                    self.policy.time("verify" if w > 1 else "decode", d,
+                                     time.perf_counter() - t0)
 
     def _tokenize(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
@@ -372,6 +376,8 @@ class Engine:
         for seq in list(self.scheduler.running):
             self.scheduler.preempt(seq)
         self.runner.reset()
+        if self.spec is not None:
+            self.proposer.reset()
         self.blocks.drop_prefix_cache()
         return sorted(failed)
 
@@ -379,6 +385,7 @@ class Engine:
         self.scheduler.finish(seq, reason, stop_reason)
         if self.spec is not None:
             self.policy.forget(seq.seq_id)
+            self.proposer.forget(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         """True while some request is queued or running, or an abort is still to be reported."""
@@ -403,64 +410,72 @@ class Engine:
         return plan
 
     def _execute(self, plan: Plan) -> list[tuple]:
-        """Runs the plan on the device; returns (kind, rows, row offset, host result) per kind
-        of row, fetched in one transfer."""
+        """Runs the plan as ONE device step (decode or verify rows beside prefill chunks);
+        returns (kind, rows, row offset, host result) per kind of row, fetched in one transfer."""
         if plan.empty:
             return []
         self.runner.copy_pages(plan.copies)
+        if self.spec is not None:
+            self.proposer.copy_pages(plan.copies)
         self._init_penalty_rows(plan)
-        if self.spec is not None and plan.copies and hasattr(self.proposer, "copy_pages"):
-            src, dst = zip(*plan.copies)
-            self.proposer.copy_pages(np.asarray(src, np.int32), np.asarray(dst, np.int32))
         prefill = [self._row(c.seq, c.start, c.seq.all_ids[c.start:c.start + c.length],
                              c.final) for c in plan.prefill]
         self._note_prefill(plan)
+        verify = bool(plan.decode and plan.lookahead)
+        decode = self._verify_rows(plan.decode) if verify else [
+            self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True) for seq in plan.decode]
         t0 = time.perf_counter()
-        if plan.decode and plan.lookahead:
-            # A verify step is its own call until speculation moves into the unified step.
-            result = self._run_verify(plan)
-            outs = [("verify", plan.decode, 0)]
+        batch = self.runner.prepare(decode, prefill, verify=verify)
+        self._count(batch, decode, prefill)
+        drafts = probs = None
+        if self.spec is not None:
             if prefill:
-                result = (result, self._run_step([], prefill))
-                outs.append(("prefill", plan.prefill, 0))
-        else:
-            decode = [self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
-                      for seq in plan.decode]
-            result = self._run_step(decode, prefill)  # ONE call: decode rows + prefill chunks
-            offset = self.runner.decode_bucket(len(decode), mixed=bool(prefill)) if decode else 0
-            outs = [("decode", plan.decode, 0), ("prefill", plan.prefill, offset)]
-        fetched = fetch(result)  # one transfer for the whole step
-        if not isinstance(fetched, tuple):
-            fetched = (fetched, fetched)
+                self.proposer.prefill(batch, len(batch.parts) - 1, plan.prefill)
+            if verify:
+                drafts, probs = self.proposer.drafts(plan.decode, batch)
+        result = fetch(self.runner.run(batch, drafts, probs))  # one transfer for the step
         if self.spec is not None and plan.decode:
             elapsed = time.perf_counter() - t0
-            key = "spec_verify_time_s" if plan.lookahead else "spec_decode_time_s"
+            key = "spec_verify_time_s" if verify else "spec_decode_time_s"
             self.stats[key] = self.stats.get(key, 0.0) + elapsed  # draft + verify, or decode
             if not plan.prefill:
-                self.policy.time("verify" if plan.lookahead else "decode",
-                                 self.runner.decode_bucket(len(plan.decode)), elapsed)
+                bucket = batch.parts[0].block_tables.shape[0]
+                self.policy.time("verify" if verify else "decode", bucket, elapsed)
         self.stats["steps"] += 1
-        return [(kind, rows, offset, res) for (kind, rows, offset), res in zip(outs, fetched)]
+        offset = batch.parts[0].block_tables.shape[0] if decode else 0
+        return [("decode", plan.decode, 0, result, verify),
+                ("prefill", plan.prefill, offset, result, False)]
 
     def _process(self, results: list[tuple]) -> list[RequestOutput]:
         """Commits computed tokens, appends sampled ones (stop checks), builds the outputs."""
         aborted, self._aborted = self._aborted, []
         self._inflight = None
         touched: dict[str, RequestState] = {}
-        for kind, rows, offset, res in results:
+        for kind, rows, offset, res, verify in results:
+            if verify:
+                self._note_verified(rows, res)
             for i, row in enumerate(rows):
-                if kind == "verify":
-                    seq = row
-                    self._accept_verified(seq, res, i)
-                else:
-                    seq = row if kind == "decode" else row.seq
-                    seq.num_computed += 1 if kind == "decode" else row.length
-                    self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_computed)
-                    if (kind == "decode" or row.final) and not seq.finished:
-                        j = offset + i
-                        self.outputs.append(seq, int(res.tokens[j]), float(res.logprobs[j]),
-                                            zip(res.top_ids[j], res.top_logprobs[j]))
+                seq = row if kind == "decode" else row.seq
                 touched[seq.request_id] = self.requests.get(seq.request_id)
+                j = offset + i
+                if kind == "prefill":
+                    seq.num_computed += row.length
+                    self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_computed)
+                    if not row.final or seq.finished:
+                        continue
+                n = int(res.num_accepted[j])  # drafts kept (0 unless verified)
+                if kind == "decode" and not seq.finished:
+                    # The row's K/V is right for its last token and the n accepted drafts.
+                    seq.num_computed += n + 1
+                    ids = seq.all_ids + [int(t) for t in res.tokens[j, :n]]
+                    if verify:
+                        self.blocks.truncate(seq.seq_id, seq.num_computed)
+                    self.blocks.commit(seq.seq_id, ids, seq.num_computed)
+                for t in range(n + 1):
+                    if seq.finished:
+                        break
+                    self.outputs.append(seq, int(res.tokens[j, t]), float(res.logprobs[j, t]),
+                                        zip(res.top_ids[j, t], res.top_logprobs[j, t]))
         return aborted + [self.outputs.output(r) for r in touched.values() if r is not None]
 
     def _init_penalty_rows(self, plan: Plan) -> None:
@@ -490,12 +505,10 @@ class Engine:
             row.suppress_until = p.min_tokens - len(seq.output_ids)
         return row
 
-    def _run_step(self, decode: list[ScheduledRow], prefill: list[ScheduledRow]):
-        batch = self.runner.prepare(decode, prefill)
+    def _count(self, batch, decode: list[ScheduledRow], prefill: list[ScheduledRow]) -> None:
         if decode:
-            b = self.runner.decode_bucket(len(decode), mixed=bool(prefill))
             self.stats["decode_rows"] += len(decode)
-            self.stats["decode_slots"] += b
+            self.stats["decode_slots"] += batch.parts[0].block_tables.shape[0]
             self.stats["max_decode_rows"] = max(self.stats.get("max_decode_rows", 0),
                                                 len(decode))
         if decode and prefill:
@@ -504,13 +517,6 @@ class Engine:
             part = batch.parts[-1]
             self.stats["prefill_tokens"] += sum(len(r.tokens) for r in prefill)
             self.stats["prefill_slots"] += part.block_tables.shape[0] * part.t
-            if self.spec is not None and hasattr(self.proposer, "prefill"):
-                self._mirror_prefill(batch, len(batch.parts) - 1)
-        return self.runner.run(batch)
-
-    def _mirror_prefill(self, batch, part: int) -> None:
-        """The draft model writes the same prompt chunks into its own cache."""
-        self.proposer.prefill(*part_arrays(batch, part))
 
     def _note_prefill(self, plan: Plan) -> None:
         now = time.time()
@@ -520,7 +526,7 @@ class Engine:
                 req.metrics.first_scheduled_time = now
 
     def _lookahead(self) -> int:
-        """K when this step should verify drafts (see SpeculationPolicy), else 0."""
+        """D when this step should verify drafts (see SpeculationPolicy), else 0."""
         if self.spec is None:
             return 0
         rows = [s for s in self.scheduler.running if not s.in_prefill]
@@ -528,84 +534,51 @@ class Engine:
             return 0
         if not any(self.policy.proposes(s.seq_id) for s in rows):
             return 0
-        bucket = self.runner.decode_bucket(len(rows))
-        return self.spec.num_speculative_tokens if self.policy.speculate(
-            [s.seq_id for s in rows], bucket) else 0
+        ids = [s.seq_id for s in rows]
+        n = len(rows)
+        if not self.policy.speculate(ids, self.runner.decode_bucket(n),
+                                     self.runner.decode_bucket(n, verify=True)):
+            return 0
+        return self.spec.num_speculative_tokens
 
-    def _run_verify(self, plan: Plan):
-        b = self.runner.decode_bucket(len(plan.decode))
-        self.stats["decode_rows"] += len(plan.decode)
-        self.stats["decode_slots"] += b
-        return self._verify_rows(plan.decode, b)
-
-    def _verify_rows(self, seqs: list, b: int):
-        """Proposes up to R drafts for each sequence and runs one verify step [b, 1 + R]."""
-        from llmserve.speculative.proposers import ProposeInput
-
-        k = self.spec.num_speculative_tokens
-        room = np.zeros(b, np.int32)  # drafts each row may carry (max_model_len, policy)
+    def _verify_rows(self, seqs: list) -> list[ScheduledRow]:
+        """Each sequence's verify row: its last token, then the drafts the proposer gives it
+        (placeholders when the drafts come from the device inside the step)."""
+        d = self.spec.num_speculative_tokens
+        room = np.zeros(len(seqs), np.int32)  # drafts each row may carry (max_model_len, policy)
         for i, seq in enumerate(seqs):
             if self.policy.proposes(seq.seq_id):
-                room[i] = max(0, min(k, self.config.max_model_len - seq.num_tokens))
-        if self.spec.method == "ngram":
-            drafts, num = self.proposer.propose_batch([s.all_ids for s in seqs] or [[0]], k)
-            drafts = np.pad(drafts, ((0, b - len(drafts)), (0, 0)))[:b]
-            num = np.minimum(np.pad(num, (0, b - len(num)))[:b], room)
-        else:
-            num = room
-        rows = [self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True) for seq in seqs]
-        if rows:
-            batch = self.runner.prepare(padded_verify_rows(rows, num, k + 1),
-                                        decode_width=k + 1)
-        else:  # warm-up: every row padding, in the verify shape
-            batch = self.runner.empty_batch((b, None), decode_width=k + 1)
-        probs = None
-        if self.spec.method == "draft":
-            tail = np.zeros((b, 2), np.int32)
-            q_start = np.zeros(b, np.int32)
-            n_valid = np.zeros(b, np.int32)
-            for i, seq in enumerate(seqs):
-                ids = seq.all_ids
-                n = min(2, len(ids))
-                tail[i, :n] = ids[len(ids) - n:]
-                q_start[i] = len(ids) - n
-                n_valid[i] = n
-            (part,) = batch.parts
-            proposal = self.proposer.propose(ProposeInput(
-                token_ids=[], tail=tail, q_start=q_start, n_valid=n_valid,
-                block_tables=part.block_tables, sampling=batch.sampling))
-            drafts, probs = proposal.tokens, proposal.probs
-        self._num_draft = num  # host copy: how many drafts each row carried this step
-        return self.runner.run_verify(batch, drafts, num, probs)
+                room[i] = max(0, min(d, self.config.max_model_len - seq.num_tokens))
+        proposal = self.proposer.propose(seqs, room)
+        self._num_draft = proposal.num_draft  # host copy: drafts each row carried this step
+        rows = []
+        for i, seq in enumerate(seqs):
+            k = int(proposal.num_draft[i])
+            extra = [0] * k if proposal.tokens is None else list(proposal.tokens[i, :k])
+            rows.append(self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]] + extra, True))
+        return rows
 
-    def _accept_verified(self, seq: Seq, res, i: int) -> None:
-        """Appends the accepted drafts and the target's token; rolls back the rest."""
-        n = int(res.num_accepted[i])
-        proposed = int(np.count_nonzero(res.out_tokens[i] >= 0)) - 1
-        req = self.requests.get(seq.request_id)
-        drafted = int(self._num_draft[i])
-        self.policy.record(seq.seq_id, drafted, n)
-        if req is not None:
-            req.metrics.spec_proposed += drafted
-            req.metrics.spec_accepted += n
-        self.stats["spec_proposed"] = self.stats.get("spec_proposed", 0) + drafted
-        self.stats["spec_accepted"] = self.stats.get("spec_accepted", 0) + n
-        self.stats["spec_verify_rows"] = self.stats.get("spec_verify_rows", 0) + 1
-        k = self.spec.num_speculative_tokens
-        proposed_at = self.stats.setdefault("spec_proposed_per_pos", [0] * k)
-        accepted_at = self.stats.setdefault("spec_accepted_per_pos", [0] * k)
-        for j in range(drafted):
-            proposed_at[j] += 1
-        for j in range(n):
-            accepted_at[j] += 1
-        seq.num_computed += n + 1
-        for j in range(proposed + 1):
-            if seq.finished:
-                break
-            self.outputs.append(seq, int(res.out_tokens[i][j]), float(res.logprobs[i][j]))
-        if not seq.finished:
-            self.blocks.truncate(seq.seq_id, seq.num_computed)
-            self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_computed)
+    def _note_verified(self, seqs: list, res) -> None:
+        """Acceptance statistics of a verify step, for the policy, the proposer and metrics."""
+        d = self.spec.num_speculative_tokens
+        accepted = np.asarray(res.num_accepted[: len(seqs)])
+        self.proposer.accepted(seqs, accepted)
+        proposed_at = self.stats.setdefault("spec_proposed_per_pos", [0] * d)
+        accepted_at = self.stats.setdefault("spec_accepted_per_pos", [0] * d)
+        for seq, drafted, n in zip(seqs, self._num_draft, accepted):
+            drafted, n = int(drafted), int(n)
+            self.policy.record(seq.seq_id, drafted, n)
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                req.metrics.spec_proposed += drafted
+                req.metrics.spec_accepted += n
+            self.stats["spec_proposed"] = self.stats.get("spec_proposed", 0) + drafted
+            self.stats["spec_accepted"] = self.stats.get("spec_accepted", 0) + n
+            self.stats["spec_verify_rows"] = self.stats.get("spec_verify_rows", 0) + 1
+            for j in range(drafted):
+                proposed_at[j] += 1
+            for j in range(n):
+                accepted_at[j] += 1
 
     def spec_metrics(self) -> dict:
         """Speculative decoding so far: acceptance rate, mean accepted length per verify row,

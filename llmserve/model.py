@@ -205,7 +205,8 @@ class Transformer(nn.Module):
     sampled rows over its flat tokens: logits [B, R, V]).
 
     ``return_hidden``: also return the last layer's output before the final norm at the same
-    positions ([B, R, D] float32): the feature an EAGLE draft head reads.
+    positions ([B, R, D] float32), or at every position with ``"all"`` ([B, T, D]): the
+    feature an EAGLE draft head reads.
     """
 
     cfg: ModelConfig
@@ -213,12 +214,13 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens: Array, meta: AttentionMetadata, cache: Any,
                  backend: str = "xla", logits_index: Array | None = None,
-                 return_hidden: bool = False):
+                 return_hidden: bool | str = False):
         cfg = self.cfg
         embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype, name="embed")
         x = embed(tokens)  # [B, T, D] float32: the residual stream stays f32
         for i in range(cfg.n_layers):
             x, cache = Block(cfg, i, name=f"layers_{i}")(x, meta, cache, backend)
+        every = x
         if logits_index is not None:
             index = logits_index if logits_index.ndim == 2 else logits_index[:, None]
             x = jnp.take_along_axis(x, index[:, :, None].astype(jnp.int32), axis=1)
@@ -229,6 +231,7 @@ class Transformer(nn.Module):
         else:
             logits = _dense(cfg.vocab_size, "lm_head", cfg)(x)
         if return_hidden:
+            hidden = every if return_hidden == "all" else hidden
             return logits.astype(jnp.float32), cache, hidden.astype(jnp.float32)
         return logits.astype(jnp.float32), cache
 

@@ -48,7 +48,10 @@ class LeaderRunner(Runner):
     def _leads(self) -> bool:
         return jax.process_index() == 0
 
-    def run(self, batch: StepInput):
+    def run(self, batch: StepInput, drafts=None, draft_probs=None):
+        if batch.verify:
+            raise NotImplementedError("speculative decoding is not mirrored across processes "
+                                      "yet")
         if self._leads:
             shape = [x for p in batch.parts for x in (p.block_tables.shape[0], p.t)]
             _send([OP_STEP, len(batch.parts), *shape], batch)
@@ -67,9 +70,6 @@ class LeaderRunner(Runner):
                   (meta, np.concatenate(ids)))
         super().init_sampler_rows(rows)
 
-    def run_verify(self, *args, **kwargs):
-        raise NotImplementedError("speculative decoding is not mirrored across processes yet")
-
     def stop_followers(self) -> None:
         """Ends every follower's ``follow`` loop (call once, on the leader, when done)."""
         if self._leads:
@@ -87,8 +87,7 @@ def follow(runner: Runner) -> int:
             return calls
         if op == OP_STEP:
             parts, b0, t0, b1, t1 = (int(x) for x in head[1:6])
-            template = runner.empty_batch((b0, (b1, t1) if parts == 2 else None),
-                                          decode_width=t0)
+            template = runner._build([([], b0, t0)] + ([([], b1, t1)] if parts == 2 else []))
             Runner.run(runner, _broadcast(template, False))
         elif op == OP_COPY:
             pairs = _broadcast(np.zeros((int(head[1]), 2), np.int32), False)

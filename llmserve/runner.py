@@ -63,13 +63,17 @@ class ScheduledRow:
     sampling: dict  # SamplingArrays fields (temperature, top_k, ..., seed)
     suppress_ids: Sequence[int] = ()  # stop ids banned while min_tokens is not reached
     suppress_until: int = 0  # ... for this many sampled positions
+    # In a verify step ``tokens`` is [last committed token, its drafts] (the draft tokens may be
+    # placeholders that a draft model's device output replaces inside the step).
 
 
 @flax.struct.dataclass
 class StepInput:
     """Everything one step needs (numpy on the host, jax arrays on the device).
 
-    N flat tokens; R sampled rows (the rows of every part, in part order).
+    N flat tokens; R sampled rows (the rows of every part, in part order). In a verify step the
+    first part is [Bv, 1 + D] (D = ``num_speculative_tokens``): each row's last committed token
+    and its drafts, all scored at once.
     """
 
     tokens: Array  # [N] int32
@@ -84,7 +88,9 @@ class StepInput:
     suppress_ids: Array  # [R, E] int32: token ids banned (min_tokens not reached); V = none
     suppress_until: Array  # [R] int32: the ban holds for this many sampled positions
     sampling: sampling.SamplingArrays  # [R] per-row parameters
+    num_draft: Array  # [R] int32: drafts a verify row carries (0 elsewhere)
     per_token: Optional[PartMetadata] = None  # batch-invariant mode: one query per token
+    verify: bool = flax.struct.field(pytree_node=False, default=False)  # parts[0] verifies
 
     def metadata(self) -> RaggedMetadata:
         return RaggedMetadata(positions=self.positions[None], write_page=self.write_page,
@@ -94,10 +100,16 @@ class StepInput:
 
 @flax.struct.dataclass
 class StepOutput:
-    tokens: Array  # [R] int32
-    logprobs: Array  # [R] float32
-    top_ids: Array  # [R, n] int32
-    top_logprobs: Array  # [R, n] float32
+    """What a step returns, per sampled row r: row r emits ``tokens[r, :num_accepted[r] + 1]``.
+
+    W = 1 + D in a verify step (accepted drafts, then the target's token, then -1), else 1.
+    """
+
+    tokens: Array  # [R, W] int32
+    logprobs: Array  # [R, W] float32: raw target log p of each emitted token
+    top_ids: Array  # [R, W, n] int32: the n most likely raw tokens at each position
+    top_logprobs: Array  # [R, W, n] float32
+    num_accepted: Array  # [R] int32: drafts accepted (0 for decode and prefill rows)
 
 
 def suppress(logits: Array, inp: StepInput) -> Array:
@@ -125,58 +137,84 @@ def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, ba
     return logits[0, :r], cache
 
 
-def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput, *,
+def _top_logprobs(logits: Array, num_logprobs: int) -> tuple[Array, Array]:
+    """The ``num_logprobs`` most likely raw tokens of logits [..., V] and their logprobs."""
+    if num_logprobs == 0:
+        shape = logits.shape[:-1] + (0,)
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
+    vals, ids = jax.lax.top_k(logits, num_logprobs)
+    lse = sampling.logsumexp(logits.reshape(-1, logits.shape[-1])).reshape(logits.shape[:-1])
+    return ids.astype(jnp.int32), vals - lse[..., None]
+
+
+def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
+          drafts: Optional[Array] = None, draft_probs: Optional[Array] = None, *,
           cfg: ModelConfig, backend: str, num_logprobs: int, min_rows: int = 1):
-    logits, cache = forward(params, cache, inp, cfg=cfg, backend=backend, min_rows=min_rows)
-    logits = suppress(logits[:, None], inp)[:, 0]  # [R, V]
+    """One engine step: decode rows, prefill chunks and (``inp.verify``) verify rows at once.
+
+    Verify rows [Bv, 1 + D] carry [last committed token, D drafts]; the drafts are already in
+    ``inp.tokens`` (n-gram: written on the host) or enter here from ``drafts`` [Bv, D] (a draft
+    model's device output, never copied to the host). All 1 + D positions are scored by the one
+    forward over the flat tokens; the pure verifier keeps the longest accepted prefix plus one
+    target token. K/V written for rejected drafts is never read: attention stops at each
+    sequence's length and the next step overwrites it. The other rows sample as usual.
+    """
     # A sequence's sampler row was filled from its tokens when it was (re)admitted
     # (``init_sampler_rows``); each step only adds the tokens it emits.
     counts = sstate.counts[inp.slot_ids]
     pmask = sstate.prompt_mask[inp.slot_ids]
-    out = sampling.sample(logits, inp.sampling, inp.sample_pos, counts, pmask,
-                          num_logprobs=num_logprobs)
-    counts = sampling.update_counts(counts, out.tokens, inp.emit)
+    r = inp.sample_index.shape[0]
+    if not inp.verify:
+        logits, cache = forward(params, cache, inp, cfg=cfg, backend=backend, min_rows=min_rows)
+        logits = suppress(logits[:, None], inp)[:, 0]  # [R, V]
+        out = sampling.sample(logits, inp.sampling, inp.sample_pos, counts, pmask,
+                              num_logprobs=num_logprobs)
+        counts = sampling.update_counts(counts, out.tokens, inp.emit)
+        result = StepOutput(tokens=out.tokens[:, None], logprobs=out.logprobs[:, None],
+                            top_ids=out.top_ids[:, None], top_logprobs=out.top_logprobs[:, None],
+                            num_accepted=jnp.zeros(r, jnp.int32))
+    else:
+        part = inp.parts[0]
+        bv, w = part.block_tables.shape[0], part.t
+        if drafts is not None:  # a draft model's tokens enter here, on the device
+            rows = inp.tokens[: bv * w].reshape(bv, w).at[:, 1:].set(drafts.astype(jnp.int32))
+            inp = inp.replace(tokens=jnp.concatenate([rows.reshape(-1), inp.tokens[bv * w:]]))
+        index = jnp.concatenate([jnp.arange(bv * w, dtype=jnp.int32), inp.sample_index[bv:]])
+        logits, cache = forward(params, cache, inp, cfg=cfg, backend=backend,
+                                logits_index=index, min_rows=min_rows)
+        v = logits.shape[-1]
+        head = lambda x: jax.tree_util.tree_map(lambda a: a[:bv], x)  # noqa: E731
+        tail = lambda x: jax.tree_util.tree_map(lambda a: a[bv:], x)  # noqa: E731
+        vlogits = suppress(logits[: bv * w].reshape(bv, w, v), head(inp))  # [Bv, 1 + D, V]
+        ver = verify(inp.tokens[: bv * w].reshape(bv, w)[:, 1:], draft_probs, vlogits,
+                     head(inp.sampling), part.q_start + 1, counts[:bv], pmask[:bv],
+                     num_draft=inp.num_draft[:bv])
+        top_ids, top_lp = _top_logprobs(vlogits, num_logprobs)  # [Bv, 1 + D, n]
+        emitted = (ver.out_tokens >= 0) & inp.emit[:bv, None]
+        vcounts = counts[:bv].at[jnp.arange(bv)[:, None], jnp.maximum(ver.out_tokens, 0)].add(
+            emitted.astype(jnp.int32))
+        # The other parts' rows (prefill chunks) sample as in a plain step.
+        rlogits = suppress(logits[bv * w:][:, None], tail(inp))[:, 0]  # [R - Bv, V]
+        out = sampling.sample(rlogits, tail(inp.sampling), inp.sample_pos[bv:], counts[bv:],
+                              pmask[bv:], num_logprobs=num_logprobs)
+        rcounts = sampling.update_counts(counts[bv:], out.tokens, inp.emit[bv:])
+        counts = jnp.concatenate([vcounts, rcounts])
+        pad = lambda x, fill: jnp.pad(  # noqa: E731
+            x[:, None], [(0, 0), (0, w - 1)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+        result = StepOutput(
+            tokens=jnp.concatenate([ver.out_tokens, pad(out.tokens, -1)]),
+            logprobs=jnp.concatenate([ver.logprobs, pad(out.logprobs, 0.0)]),
+            top_ids=jnp.concatenate([top_ids, pad(out.top_ids, 0)]),
+            top_logprobs=jnp.concatenate([top_lp, pad(out.top_logprobs, 0.0)]),
+            num_accepted=jnp.concatenate([ver.num_accepted, jnp.zeros(r - bv, jnp.int32)]))
     sstate = sstate.replace(counts=sstate.counts.at[inp.slot_ids].set(counts))
-    result = StepOutput(tokens=out.tokens, logprobs=out.logprobs, top_ids=out.top_ids,
-                        top_logprobs=out.top_logprobs)
     return result, cache, sstate
-
-
-def _verify_step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
-                 draft_tokens: Array, num_draft: Array, draft_probs, *, cfg: ModelConfig,
-                 backend: str, min_rows: int = 1):
-    """Speculative verify over one part [B, 1 + R]: [last committed token, R drafts] per row.
-
-    The drafts (from the host or straight from the draft model's device output) enter the
-    tokens here, inside the jit. One forward over all 1 + R positions writes their K/V and
-    scores them; the pure verifier keeps the longest accepted prefix plus one target token.
-    K/V written for rejected drafts is never read: attention stops at each sequence's length,
-    and the next step overwrites it.
-    """
-    (part,) = inp.parts
-    b, t = part.block_tables.shape[0], part.t
-    rows = inp.tokens[: b * t].reshape(b, t).at[:, 1:].set(draft_tokens.astype(jnp.int32))
-    inp = inp.replace(tokens=jnp.concatenate([rows.reshape(-1), inp.tokens[b * t:]]))
-    logits, cache = forward(params, cache, inp, cfg=cfg, backend=backend,
-                            logits_index=jnp.arange(b * t), min_rows=min_rows)
-    logits = suppress(logits.reshape(b, t, -1), inp)  # [B, 1 + R, V]
-    rows = jnp.arange(b)[:, None]
-    counts = sstate.counts[inp.slot_ids]
-    pmask = sstate.prompt_mask[inp.slot_ids]
-    out = verify(draft_tokens, draft_probs, logits, inp.sampling, part.q_start + 1,
-                             counts, pmask, num_draft=num_draft)
-    emitted = (out.out_tokens >= 0) & inp.emit[:, None]
-    counts = counts.at[rows, jnp.maximum(out.out_tokens, 0)].add(emitted.astype(jnp.int32))
-    sstate = sstate.replace(counts=sstate.counts.at[inp.slot_ids].set(counts))
-    return out, cache, sstate
 
 
 # Module-level jits with static config: every Runner of the same model and shapes shares one
 # compile cache (tests build many engines; a server builds one).
 _jit_step = jax.jit(_step, static_argnames=("cfg", "backend", "num_logprobs", "min_rows"),
                     donate_argnames=("cache", "sstate"))
-_jit_verify = jax.jit(_verify_step, static_argnames=("cfg", "backend", "min_rows"),
-                      donate_argnames=("cache", "sstate"))
 
 
 def invariant_min_rows(dtype: str) -> int:
@@ -208,8 +246,19 @@ def _init_sampler_rows(sstate: SamplerState, slots: Array, ids: Array, n_prompt:
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def _copy_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
+def copy_cache_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
+    """Copy-on-write in place (the cache is donated): page src[i] into dst[i]."""
     return cache.copy_pages(src, dst)
+
+
+def padded_page_pairs(pairs: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) page ids padded with dummy-page pairs to a power of two >= 8 (few shapes)."""
+    n = max(8, 1 << max(0, (len(pairs) - 1).bit_length()))
+    src = np.full(n, DUMMY_PAGE, np.int32)
+    dst = np.full(n, DUMMY_PAGE, np.int32)
+    for i, (s, d) in enumerate(pairs):
+        src[i], dst[i] = s, d
+    return src, dst
 
 
 class Runner:
@@ -220,6 +269,8 @@ class Runner:
                  decode_buckets: Sequence[int] | None = None,
                  prefill_buckets: Sequence[tuple[int, int]] = ((1, 128),),
                  mixed_decode_buckets: Sequence[int] | None = None,
+                 num_speculative_tokens: int = 0,
+                 verify_buckets: Sequence[int] | None = None,
                  batch_invariant: bool = False, shardings=None):
         # ``shardings`` (llmserve.sharding.Shardings, or None for one device): the mesh this
         # runner's params and cache are split over; the jitted step follows their shardings.
@@ -245,17 +296,29 @@ class Runner:
         # set stays |decode| + 2 |prefill| shapes instead of |decode| x |prefill|.
         self.mixed_decode_buckets = sorted(mixed_decode_buckets or [self.decode_buckets[-1]])
         self.prefill_buckets = sorted(prefill_buckets, key=lambda x: (x[0] * x[1], x))
+        # Verify steps [Bv, 1 + D]: a row of 1 + D tokens costs about one decode row's weight
+        # pass at batch 1-2 (bf16 runs 2-8 token rows in the time of 8), so verify keeps the
+        # small buckets that decode drops; beside prefill chunks it pads to the largest.
+        self.num_speculative_tokens = num_speculative_tokens
+        if verify_buckets is None:
+            verify_buckets = sorted({min(max_slots, b) for b in (1, 2, 4)}
+                                    | set(self.decode_buckets))
+        self.verify_buckets = sorted(verify_buckets) if num_speculative_tokens else []
         self.backend = backend
         self.batch_invariant = batch_invariant
         self.min_rows = invariant_min_rows(cfg.dtype) if batch_invariant else 1
 
     # ------------------------------------------------------------------ shapes
-    def decode_bucket(self, n: int, mixed: bool = False) -> int:
-        """The smallest decode bucket holding n rows (``mixed``: beside prefill chunks)."""
-        for b in self.mixed_decode_buckets if mixed else self.decode_buckets:
+    def decode_bucket(self, n: int, mixed: bool = False, verify: bool = False) -> int:
+        """The smallest decode (``verify``: verify) bucket holding n rows (``mixed``: beside
+        prefill chunks, where one bucket, the largest, serves)."""
+        buckets = self.verify_buckets if verify else self.decode_buckets
+        if mixed:
+            buckets = buckets[-1:] if verify else self.mixed_decode_buckets
+        for b in buckets:
             if b >= n:
                 return b
-        raise ValueError(f"{n} decode rows exceed the largest bucket {self.decode_buckets[-1]}")
+        raise ValueError(f"{n} decode rows exceed the largest bucket {buckets[-1:]}")
 
     def prefill_bucket(self, rows: int, longest: int) -> tuple[int, int]:
         """The cheapest (rows, chunk) bucket holding ``rows`` chunks of up to ``longest``."""
@@ -273,36 +336,46 @@ class Runner:
         return max(c for _, c in self.prefill_buckets)
 
     def step_shapes(self) -> list[tuple]:
-        """Every (decode rows, (prefill rows, chunk)) shape a step can take: decode alone,
-        prefill alone, and mixed. All are compiled at warm-up, so serving never compiles."""
-        return ([(d, None) for d in self.decode_buckets]
-                + [(0, p) for p in self.prefill_buckets]
-                + list(itertools.product(self.mixed_decode_buckets, self.prefill_buckets)))
+        """Every (decode rows, (prefill rows, chunk), width) shape a step can take: decode
+        alone, prefill alone and mixed; with speculation, verify rows of width 1 + D alone and
+        beside prefill. All are compiled at warm-up, so serving never compiles."""
+        shapes = ([(d, None, 1) for d in self.decode_buckets]
+                  + [(0, p, 1) for p in self.prefill_buckets]
+                  + [(d, p, 1) for d, p in itertools.product(self.mixed_decode_buckets,
+                                                             self.prefill_buckets)])
+        if self.num_speculative_tokens:
+            w = 1 + self.num_speculative_tokens
+            shapes += ([(b, None, w) for b in self.verify_buckets]
+                       + [(self.verify_buckets[-1], p, w) for p in self.prefill_buckets])
+        return shapes
 
     # ------------------------------------------------------------------ host batch
     def prepare(self, decode: Sequence[ScheduledRow], prefill: Sequence[ScheduledRow] = (),
-                decode_width: int = 1) -> StepInput:
+                verify: bool = False) -> StepInput:
         """Builds the typed host batch (numpy) for one step from its scheduled rows.
 
-        ``decode`` rows get a part [Bd, decode_width] (width 1 + R for verify), ``prefill``
-        rows a part [Bp, C]; each part is padded to its bucket, and an empty one is left out.
+        ``decode`` rows get a part [Bd, 1] (``verify``: [Bv, 1 + D], each row its last token
+        and up to D drafts), ``prefill`` rows a part [Bp, C]; each part is padded to its
+        bucket, and an empty one is left out.
         """
         parts = []
         if decode:
-            parts.append((decode, self.decode_bucket(len(decode), mixed=bool(prefill)),
-                          decode_width))
+            width = 1 + self.num_speculative_tokens if verify else 1
+            if verify and not self.num_speculative_tokens:
+                raise ValueError("a verify step needs a Runner built with num_speculative_tokens")
+            parts.append((decode, self.decode_bucket(len(decode), bool(prefill), verify), width))
         if prefill:
             b, c = self.prefill_bucket(len(prefill), max(len(r.tokens) for r in prefill))
             parts.append((prefill, b, c))
-        return self._build(parts)
+        return self._build(parts, verify=verify and bool(decode))
 
-    def empty_batch(self, shape: tuple, decode_width: int = 1) -> StepInput:
+    def empty_batch(self, shape: tuple) -> StepInput:
         """A batch of the given ``step_shapes()`` entry with every row padding (warm-up)."""
-        d, p = shape
-        parts = ([([], d, decode_width)] if d else []) + ([([], p[0], p[1])] if p else [])
-        return self._build(parts)
+        d, p, w = shape if len(shape) == 3 else (*shape, 1)
+        parts = ([([], d, w)] if d else []) + ([([], p[0], p[1])] if p else [])
+        return self._build(parts, verify=w > 1)
 
-    def _build(self, parts) -> StepInput:
+    def _build(self, parts, verify: bool = False) -> StepInput:
         n = max(sum(b * t for _, b, t in parts), self.min_rows)
         r = sum(b for _, b, _ in parts)
         size, m, v = self.page_size, self.pages_per_seq, self.cfg.vocab_size
@@ -316,6 +389,7 @@ class Runner:
         emit = np.zeros(r, bool)
         suppress_ids = np.full((r, MAX_SUPPRESS_IDS), v, np.int32)
         suppress_until = np.zeros(r, np.int32)
+        num_draft = np.zeros(r, np.int32)
         rows_sampling: list[dict] = [{} for _ in range(r)]
         metas = []
         off = row = 0
@@ -335,6 +409,8 @@ class Runner:
                 q_start[i], lengths[i] = spec.start, spec.start + k
                 tables[i, : len(table)] = table
                 j = row + i
+                if verify and not metas:  # the verify part: its drafts follow the last token
+                    num_draft[j] = k - 1
                 sample_index[j] = base + k - 1
                 sample_pos[j] = spec.start + k
                 slot_ids[j], emit[j] = spec.slot, spec.emit
@@ -353,7 +429,8 @@ class Runner:
                          write_offset=write_offset, parts=tuple(metas), per_token=per_token,
                          sample_index=sample_index, sample_pos=sample_pos, slot_ids=slot_ids,
                          emit=emit, suppress_ids=suppress_ids, suppress_until=suppress_until,
-                         sampling=sampling.SamplingArrays.from_lists(rows_sampling, xp=np))
+                         sampling=sampling.SamplingArrays.from_lists(rows_sampling, xp=np),
+                         num_draft=num_draft, verify=verify)
 
     def _per_token(self, metas, positions: np.ndarray, write_page: np.ndarray) -> PartMetadata:
         """Batch-invariant attention metadata: each real token is a one-token query of its
@@ -372,11 +449,16 @@ class Runner:
         return PartMetadata(q_start=q_start, lengths=lengths, block_tables=tok_tables, t=1)
 
     # ------------------------------------------------------------------ execution
-    def run(self, batch: StepInput) -> StepOutput:
-        """Runs one step (one device call) from a host batch; returns device outputs."""
+    def run(self, batch: StepInput, drafts=None, draft_probs=None) -> StepOutput:
+        """Runs one step (one device call) from a host batch; returns device outputs.
+
+        ``drafts`` [Bv, D] / ``draft_probs`` [Bv, D, V]: a draft model's device output for a
+        verify step (n-gram drafts are already in the batch's tokens; probs None = point mass).
+        """
         inp = self.put(batch)
         out, self.cache, self.sstate = _jit_step(self.params, self.cache, self.sstate, inp,
-                                                 cfg=self.cfg, backend=self.backend,
+                                                 drafts, draft_probs, cfg=self.cfg,
+                                                 backend=self.backend,
                                                  num_logprobs=self.num_logprobs,
                                                  min_rows=self.min_rows)
         return out if self.shardings is None else self.shardings.local(out)
@@ -394,26 +476,11 @@ class Runner:
                                cfg=self.cfg, backend=self.backend,
                                num_logprobs=self.num_logprobs, min_rows=self.min_rows)
 
-    def run_verify(self, batch: StepInput, draft_tokens, num_draft, draft_probs=None):
-        """Runs one verify step: ``batch`` from ``prepare(rows, decode_width=1 + R)``;
-        draft_tokens [B, R] (host or device) enter the tokens inside the jit."""
-        inp = self.put(batch)
-        out, self.cache, self.sstate = _jit_verify(
-            self.params, self.cache, self.sstate, inp, jnp.asarray(draft_tokens),
-            jnp.asarray(num_draft), draft_probs, cfg=self.cfg, backend=self.backend,
-            min_rows=self.min_rows)
-        return out if self.shardings is None else self.shardings.local(out)
-
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates page src into dst for each pair (padded to a bucket)."""
         if not pairs:
             return
-        n = 1 << max(0, (len(pairs) - 1).bit_length())
-        src = np.full(max(n, 8), DUMMY_PAGE, np.int32)
-        dst = np.full(max(n, 8), DUMMY_PAGE, np.int32)
-        for i, (s, d) in enumerate(pairs):
-            src[i], dst[i] = s, d
-        self.cache = _copy_pages(self.cache, *self.put((src, dst)))
+        self.cache = copy_cache_pages(self.cache, *self.put(padded_page_pairs(pairs)))
 
     def init_sampler_rows(self, rows: Sequence[tuple[int, Sequence[int], int]]) -> None:
         """Fills the penalty rows of (re)admitted sequences from their tokens.
@@ -446,17 +513,26 @@ class Runner:
             self.cache = self.shardings.create_cache(self.cfg, num_pages, self.page_size)
             self.sstate = self.shardings.replicate(sstate)
 
-    def warmup(self) -> None:
-        """Compiles every step shape once (all rows padding: writes go to the dummy page)."""
+    def warmup(self, device_drafts: bool = False) -> None:
+        """Compiles every step shape once (all rows padding: writes go to the dummy page).
+
+        ``device_drafts``: verify steps take a draft model's device drafts and distributions
+        (``run(batch, drafts, draft_probs)``), compiled with zero drafts of that shape."""
         for shape in self.step_shapes():
-            jax.block_until_ready(self.run(self.empty_batch(shape)).tokens)
+            batch = self.empty_batch(shape)
+            drafts = probs = None
+            if device_drafts and batch.verify:
+                bv, d = batch.parts[0].block_tables.shape[0], self.num_speculative_tokens
+                drafts = self.put(np.zeros((bv, d), np.int32))
+                probs = self.put(np.zeros((bv, d, self.cfg.vocab_size), np.float32))
+            jax.block_until_ready(self.run(batch, drafts, probs).tokens)
         self.copy_pages([(DUMMY_PAGE, DUMMY_PAGE)])
         self.init_sampler_rows([(self.max_slots, [0], 1)])
 
     def num_compilations(self) -> int:
         """Executables the jitted steps hold, process-wide (grows only for a new shape)."""
-        return (_jit_step._cache_size() + _copy_pages._cache_size()
-                + _jit_verify._cache_size() + _init_sampler_rows._cache_size())
+        return (_jit_step._cache_size() + copy_cache_pages._cache_size()
+                + _init_sampler_rows._cache_size())
 
 
 def part_arrays(batch: StepInput, index: int) -> tuple[np.ndarray, ...]:
@@ -467,17 +543,6 @@ def part_arrays(batch: StepInput, index: int) -> tuple[np.ndarray, ...]:
     b, t = part.block_tables.shape[0], part.t
     tokens = np.asarray(batch.tokens[off:off + b * t]).reshape(b, t)
     return tokens, part.q_start, part.lengths - part.q_start, part.block_tables
-
-
-def padded_verify_rows(rows: Sequence[ScheduledRow], num_draft: Optional[np.ndarray],
-                       width: int) -> list[ScheduledRow]:
-    """Verify rows: each row's token list padded with placeholders for its drafts (the
-    drafts themselves enter inside the jit), so K/V write slots exist for 1 + num_draft."""
-    out = []
-    for i, row in enumerate(rows):
-        k = 0 if num_draft is None else int(num_draft[i])
-        out.append(dataclasses.replace(row, tokens=list(row.tokens) + [0] * min(k, width - 1)))
-    return out
 
 
 def default_decode_buckets(max_slots: int, dtype: str) -> list[int]:

@@ -69,7 +69,8 @@ def test_warmup_compiles_every_step_shape_once(tiny):
     eng = make_engine(cfg, params)
     shapes = eng.runner.step_shapes()
     assert sorted(shapes, key=str) == sorted(
-        [(2, None), (4, None), (8, None), (0, (1, 8)), (0, (4, 16)), (8, (1, 8)), (8, (4, 16))],
+        [(2, None, 1), (4, None, 1), (8, None, 1), (0, (1, 8), 1), (0, (4, 16), 1),
+         (8, (1, 8), 1), (8, (4, 16), 1)],
         key=str)
     before = eng.runner.num_compilations()
     make_engine(cfg, params)

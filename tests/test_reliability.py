@@ -312,7 +312,7 @@ def test_recover_after_a_failed_step_fails_only_that_step(tiny):
     eng.add_request("queued", [6, 7, 8], sp)
     real_run = eng.runner.run
 
-    def broken(batch):  # consumes the donated buffers, then fails like a device error
+    def broken(batch, *drafts):  # consumes the donated buffers, then fails like a device error
         for x in (*eng.runner.cache.k, *eng.runner.cache.v):
             x.delete()
         raise RuntimeError("injected device failure")

@@ -346,13 +346,13 @@ def test_step_failure_fails_its_requests_and_serving_continues(setup, client, mo
     real_run = engine.runner.run
     calls = {"n": 0}
 
-    def failing_run(batch):
+    def failing_run(batch, *drafts):
         calls["n"] += 1
         if calls["n"] == 1:  # a device failure that also consumed the donated cache
             for x in jax.tree_util.tree_leaves(engine.runner.cache):
                 x.delete()
             raise RuntimeError("injected device failure")
-        return real_run(batch)
+        return real_run(batch, *drafts)
 
     monkeypatch.setattr(engine.runner, "run", failing_run)
     with pytest.raises(openai.InternalServerError, match="injected device failure"):

@@ -76,7 +76,7 @@ def _gathers(runner) -> dict:
     hold (rows x vocab); the other collectives by kind."""
     from llmserve.sharding import hlo_collectives
 
-    text = runner.lower_step(runner.empty_batch((8, None))).compile().as_text()
+    text = runner.lower_step(runner.empty_batch((8, None, 1))).compile().as_text()
     coll = hlo_collectives(text)
     return {"all_gather_shapes": [c["shapes"] for c in coll if c["op"] == "all-gather"],
             "ops": sorted({c["op"] for c in coll}),

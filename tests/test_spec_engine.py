@@ -120,10 +120,10 @@ def test_never_slower_policy():
     pol = SpeculationPolicy(4, prior=0.6)
     pol.time("decode", 8, 0.010)
     pol.time("verify", 8, 0.015)  # 1.5x a decode step: 2.3 expected tokens wins
-    assert pol.speculate([1, 2], 8)
+    assert pol.speculate([1, 2], 8, 8)
     pol.time("verify", 8, 1.0)  # verify became very slow: EMA moves above the break-even
     pol.time("verify", 8, 1.0)
-    assert not pol.speculate([1, 2], 8)
+    assert not pol.speculate([1, 2], 8, 8)
     for _ in range(10):  # request 1 rejects everything: it stops proposing
         pol.record(1, 4, 0)
     assert not pol.proposes(1) and pol.expected_tokens(1) == 1.0
@@ -143,3 +143,74 @@ def test_speculation_with_preemption_and_prefix_cache(tiny):
     assert eng.stats["preemptions"] > 0 and eng.blocks.stats.prefix_hits > 0
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert eng.blocks.all_free()
+
+
+def test_verify_rows_share_one_step_with_prefill(tiny):
+    """Verify rows [Bv, 1 + D] and prompt chunks run in ONE jitted call per engine step (the
+    drafts enter inside it); greedy output equals plain decoding and nothing recompiles."""
+    from llmserve import runner as runner_mod
+
+    cfg, params = tiny
+    prompts, lens = repetitive_workload(cfg, 12, seed=3)
+    sps = [SamplingParams(temperature=0, max_tokens=n + 6, ignore_eos=True) for n in lens]
+    want = run_all(make_engine(cfg, params), prompts, sps)
+    eng = make_engine(cfg, params, max_num_seqs=4, speculative_config={
+        "method": "draft", "model": (cfg, params), "num_speculative_tokens": 3,
+        "adaptive": False})
+    compiles = eng.runner.num_compilations() + eng.proposer.num_compilations()
+    calls, real = [], runner_mod._jit_step
+
+    def counted(*args, **kw):
+        calls.append(args[3].verify)
+        return real(*args, **kw)
+
+    runner_mod._jit_step = counted
+    try:
+        got = run_all(eng, prompts, sps)
+    finally:
+        runner_mod._jit_step = real
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert len(calls) == eng.stats["steps"]  # one target call per engine step
+    assert eng.stats.get("mixed_steps", 0) > 0 and any(calls)  # verify beside prefill ran
+    assert eng.runner.num_compilations() + eng.proposer.num_compilations() == compiles
+
+
+def test_draft_cache_caught_up_after_plain_decode_steps(tiny):
+    """Plain decode steps (the adaptive policy's choice) leave the draft cache behind; it is
+    caught up before the next proposal, so a draft equal to the target is always accepted."""
+    cfg, params = tiny
+    prompts, lens = repetitive_workload(cfg, 6, seed=4)
+    sps = [SamplingParams(temperature=0, max_tokens=n + 30, ignore_eos=True) for n in lens]
+    want = run_all(make_engine(cfg, params), prompts, sps)
+    eng = make_engine(cfg, params, speculative_config={
+        "method": "draft", "model": (cfg, params), "num_speculative_tokens": 3})
+    turns = iter([True, False, False, False] * 1000)  # verify, then 3 plain steps (> TAIL)
+    eng.policy.speculate = lambda *a: next(turns)
+    got = run_all(eng, prompts, sps)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert eng.stats["spec_proposed"] > 0 and eng.stats.get("spec_decode_time_s", 0) > 0
+    assert eng.stats["spec_accepted"] == eng.stats["spec_proposed"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_top_logprobs_under_speculation_equal_plain(tiny, method):
+    """``logprobs=N`` under speculation returns the same top-N as plain decoding at every
+    position (ids equal, values within 1e-5: the rows are computed in other batch shapes)."""
+    cfg, params = tiny
+    prompts, lens = repetitive_workload(cfg, 6, seed=6)
+    sps = [SamplingParams(temperature=0, max_tokens=n + 4, ignore_eos=True, logprobs=2)
+           for n in lens]
+    want = run_all(make_engine(cfg, params), prompts, sps)
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "draft":
+        spec["model"] = (cfg, params)
+    eng = make_engine(cfg, params, speculative_config=spec)
+    got = run_all(eng, prompts, sps)
+    assert eng.stats["spec_accepted"] > 0
+    for g, w in zip(got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(w.logprobs)
+        for pg, pw in zip(g.logprobs, w.logprobs):
+            assert len(pg) >= 2 and set(pg) == set(pw)
+            for tok in pw:
+                assert abs(pg[tok] - pw[tok]) < 1e-5

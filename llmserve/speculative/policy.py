@@ -67,10 +67,11 @@ class SpeculationPolicy:
         a = self.rate.get(seq_id, self.prior)
         return sum(a ** j for j in range(self.k + 1))
 
-    def speculate(self, seq_ids, bucket: int) -> bool:
+    def speculate(self, seq_ids, decode_bucket: int, verify_bucket: int) -> bool:
+        """Whether verifying beats decoding for these rows (steps timed per bucket)."""
         if not self.adaptive:
             return True
-        td, tv = self.t_decode.get(bucket), self.t_verify.get(bucket)
+        td, tv = self.t_decode.get(decode_bucket), self.t_verify.get(verify_bucket)
         if td is None or tv is None:
             return True
         gain = sum(self.expected_tokens(s) for s in seq_ids) / tv

@@ -1,4 +1,13 @@
-"""Proposers behind one protocol: what the engine calls, the same way for every method."""
+"""The engine side of speculation: proposers behind one protocol, called the same way for every
+method. The engine calls them; the runner never imports them.
+
+Per verify step the engine asks ``propose(seqs, room)`` how many drafts each row carries (and
+their tokens when the host knows them: n-gram), builds the step's rows, then asks
+``drafts(seqs, batch)`` for device drafts (a draft model's output, which enters the tokens
+inside the jitted step and never visits the host), runs the ONE step, and reports the accepted
+lengths back with ``accepted``. Prompt chunks and copy-on-write copies are mirrored with
+``prefill`` and ``copy_pages`` so a draft model's cache follows the target's pages.
+"""
 
 from __future__ import annotations
 
@@ -7,82 +16,221 @@ from typing import Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from llmserve.config import ModelConfig
 from llmserve.kv_cache import PagedKVCache
-from llmserve.sampling import SamplingArrays
+from llmserve.runner import StepInput, copy_cache_pages, padded_page_pairs, part_arrays
 from llmserve.speculative.draft import draft_prefill, draft_propose
+from llmserve.speculative.ngram import NgramProposer
 
 Array = jax.Array
 
-
-@dataclasses.dataclass
-class ProposeInput:
-    """What a proposer may read for one speculative step over B rows.
-
-    ``token_ids`` is host state (the n-gram proposer reads only it). The device arrays are for a
-    draft model: ``tail`` holds the committed tokens its cache has not seen yet (normally the
-    last two: the token before the last is rewritten harmlessly, and the last one of a fully
-    accepted step is caught up), so draft token 0 sits at ``q_start + n_valid``.
-    """
-
-    token_ids: Sequence[Sequence[int]]  # per row: prompt + output so far
-    tail: Optional[Array] = None  # [B, T] i32
-    q_start: Optional[Array] = None  # [B] i32: position of tail[:, 0]
-    n_valid: Optional[Array] = None  # [B] i32: real tail tokens (0 = padding row)
-    block_tables: Optional[Array] = None  # [B, M] i32: the TARGET's pages
-    sampling: Optional[SamplingArrays] = None  # [B]
-    output_counts: Optional[Array] = None  # [B, V] i32
-    prompt_mask: Optional[Array] = None  # [B, V] bool
+TAIL = 2  # committed tokens a draft model reads before drafting (see DraftModelProposer)
+CATCH_UP = 8  # chunk width that brings a stale draft cache up to date
 
 
 @dataclasses.dataclass
 class Proposal:
-    """K guesses per row, as ``verify`` takes them."""
+    """What a proposer decided on the host for B rows: how many drafts each carries, and the
+    tokens themselves when the host knows them (None: they come from ``Proposer.drafts``)."""
 
-    tokens: Array  # [B, K] i32 (padding past num_draft)
-    num_draft: Array  # [B] i32
-    probs: Optional[Array] = None  # [B, K, V] f32, or None for a deterministic proposer
+    num_draft: np.ndarray  # [B] int32, each <= its room
+    tokens: Optional[np.ndarray] = None  # [B, D] int32 (padding past num_draft)
 
 
 class Proposer(Protocol):
-    """Guesses ``k`` tokens per row for the verifier."""
+    """A speculative proposer as the engine drives it (n-gram, draft model, EAGLE head)."""
 
-    k: int
+    num_speculative_tokens: int  # D: drafts per verify row at most
+    device_drafts: bool  # True: ``drafts`` returns device arrays for ``Runner.run``
 
-    def propose(self, batch: ProposeInput) -> Proposal:
-        """Draft tokens (and their distributions, if any) for every row of ``batch``."""
+    def propose(self, seqs: Sequence, room: np.ndarray) -> Proposal:
+        """How many drafts each running sequence carries this step (at most ``room``)."""
         ...
+
+    def drafts(self, seqs: Sequence, batch: StepInput) -> tuple[Optional[Array], Optional[Array]]:
+        """(draft tokens [Bv, D], their distributions [Bv, D, V]) on the device, or (None, None)
+        when ``propose`` gave the tokens."""
+        ...
+
+    def prefill(self, batch: StepInput, part: int, chunks: Sequence) -> None:
+        """Mirrors the step's prompt chunks (``batch.parts[part]``; ``chunks``: the plan's)."""
+        ...
+
+    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Mirrors the target cache's copy-on-write copies."""
+        ...
+
+    def accepted(self, seqs: Sequence, num_accepted: np.ndarray) -> None:
+        """After a verify step: ``num_accepted[i]`` drafts of ``seqs[i]`` were kept."""
+        ...
+
+    def forget(self, seq_id: int) -> None:
+        """Drops a finished sequence's state."""
+        ...
+
+    def warmup(self, runner) -> None:
+        """Compiles the proposer's device calls for every verify shape of ``runner``."""
+        ...
+
+    def reset(self) -> None:
+        """Fresh device state after a failed step (``Engine.recover``)."""
+        ...
+
+
+class NgramLookup:
+    """Prompt lookup (``ngram.NgramProposer``) behind the protocol: host drafts only."""
+
+    device_drafts = False
+
+    def __init__(self, n_max: int, n_min: int, num_speculative_tokens: int):
+        self.lookup = NgramProposer(n_max, n_min, num_speculative_tokens)
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def propose(self, seqs: Sequence, room: np.ndarray) -> Proposal:
+        tokens, num = self.lookup.propose_batch([s.all_ids for s in seqs],
+                                                self.num_speculative_tokens)
+        return Proposal(num_draft=np.minimum(num, room[: len(seqs)]).astype(np.int32),
+                        tokens=tokens)
+
+    def drafts(self, seqs, batch):
+        return None, None
+
+    def prefill(self, batch, part, chunks) -> None:
+        pass
+
+    def copy_pages(self, pairs) -> None:
+        pass
+
+    def accepted(self, seqs, num_accepted) -> None:
+        pass
+
+    def forget(self, seq_id: int) -> None:
+        pass
+
+    def warmup(self, runner) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
 
 
 class DraftModelProposer:
     """A small llmserve model as the proposer; owns its paged KV cache (target's page ids).
 
-    The engine keeps it in step with the target: ``prefill`` on every prompt chunk the target
-    prefills, ``copy_pages`` on every copy-on-write, and ``propose`` before each verify step.
+    Its cache never goes stale: ``seen[seq]`` counts the positions whose draft K/V is right.
+    Prompt chunks are mirrored as the target prefills them; a verify step leaves the accepted
+    drafts right; tokens committed by plain decode steps (the never-slower policy may choose
+    them) are caught up in [Bv, CATCH_UP] chunks before the next proposal. The last TAIL
+    committed tokens are always re-read, so draft 0 follows the newest token.
     """
 
-    def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, k: int,
-                 backend: str = "xla", target_vocab: Optional[int] = None):
+    device_drafts = True
+
+    def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
+                 num_speculative_tokens: int, backend: str = "xla",
+                 target_vocab: Optional[int] = None, shardings=None):
         if target_vocab is not None and target_vocab != cfg.vocab_size:
             raise ValueError(f"draft vocab {cfg.vocab_size} != target vocab {target_vocab}")
-        self.cfg, self.k, self.backend = cfg, k, backend
+        self.cfg, self.backend = cfg, backend
+        self.num_speculative_tokens = num_speculative_tokens
         self.params = jax.tree_util.tree_map(jnp.asarray, params)
         self.cache = PagedKVCache.create(cfg, num_pages, page_size)
+        self.put = jax.device_put
+        if shardings is not None:  # the (small) draft model: whole on every device
+            self.params = shardings.replicate(self.params)
+            self.cache = shardings.replicate(self.cache)
+            self.put = shardings.replicate
+        self.seen: dict[int, int] = {}
+        self._pos0: list[int] = []  # per row of the last proposal: where draft 0 sat
 
-    def prefill(self, tokens: Array, q_start: Array, n_valid: Array, block_tables: Array) -> None:
-        """Writes a prompt chunk [B, T] into the draft cache (same rows as the target's chunk)."""
-        self.cache = draft_prefill(self.params, self.cache, tokens, q_start, n_valid,
-                                   block_tables, cfg=self.cfg, backend=self.backend)
+    def propose(self, seqs: Sequence, room: np.ndarray) -> Proposal:
+        return Proposal(num_draft=np.asarray(room[: len(seqs)], np.int32))
 
-    def copy_pages(self, src: Array, dst: Array) -> None:
-        """Copy-on-write, mirroring the target cache's copies."""
-        self.cache = self.cache.copy_pages(src, dst)
+    def _tails(self, seqs: Sequence, rows: int) -> tuple[np.ndarray, ...]:
+        tail = np.zeros((rows, TAIL), np.int32)
+        q_start = np.zeros(rows, np.int32)
+        n_valid = np.zeros(rows, np.int32)
+        for i, seq in enumerate(seqs):
+            ids = seq.all_ids
+            n = min(TAIL, len(ids))
+            tail[i, :n] = ids[len(ids) - n:]
+            q_start[i], n_valid[i] = len(ids) - n, n
+        return tail, q_start, n_valid
 
-    def propose(self, batch: ProposeInput) -> Proposal:
-        out, self.cache = draft_propose(
-            self.params, self.cache, batch.tail, batch.q_start, batch.n_valid,
-            batch.block_tables, batch.sampling, batch.output_counts, batch.prompt_mask,
-            cfg=self.cfg, k=self.k, backend=self.backend)
-        num = jnp.where(batch.n_valid > 0, self.k, 0).astype(jnp.int32)
-        return Proposal(tokens=out.tokens, num_draft=num, probs=out.probs)
+    def _catch_up(self, seqs: Sequence, tables: np.ndarray) -> None:
+        """Writes committed tokens the draft cache missed (plain decode steps), up to the
+        tail, in [Bv, CATCH_UP] chunks: one compiled shape per verify bucket."""
+        b = tables.shape[0]
+        while True:
+            chunk = np.zeros((b, CATCH_UP), np.int32)
+            start = np.zeros(b, np.int32)
+            n_valid = np.zeros(b, np.int32)
+            for i, seq in enumerate(seqs):
+                ids = seq.all_ids
+                lo = self.seen.get(seq.seq_id, len(ids))
+                hi = min(len(ids) - TAIL, lo + CATCH_UP)
+                if hi > lo:
+                    chunk[i, : hi - lo] = ids[lo:hi]
+                    start[i], n_valid[i] = lo, hi - lo
+                    self.seen[seq.seq_id] = hi
+            if not n_valid.any():
+                return
+            self.cache = draft_prefill(self.params, self.cache,
+                                       *self.put((chunk, start, n_valid, tables)),
+                                       cfg=self.cfg, backend=self.backend)
+
+    def drafts(self, seqs: Sequence, batch: StepInput):
+        tables = batch.parts[0].block_tables
+        self._catch_up(seqs, tables)
+        tail, q_start, n_valid = self._tails(seqs, tables.shape[0])
+        self._pos0 = [int(q + n) for q, n in zip(q_start[: len(seqs)], n_valid)]
+        bv = tables.shape[0]
+        arrays = jax.tree_util.tree_map(lambda x: x[:bv], batch.sampling)
+        out, self.cache = draft_propose(self.params, self.cache,
+                                        *self.put((tail, q_start, n_valid, tables, arrays)),
+                                        cfg=self.cfg, k=self.num_speculative_tokens,
+                                        backend=self.backend)
+        return out.tokens, out.probs
+
+    def prefill(self, batch: StepInput, part: int, chunks: Sequence) -> None:
+        self.cache = draft_prefill(self.params, self.cache, *self.put(part_arrays(batch, part)),
+                                   cfg=self.cfg, backend=self.backend)
+        for c in chunks:
+            self.seen[c.seq.seq_id] = c.start + c.length
+
+    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs:
+            self.cache = copy_cache_pages(self.cache, *self.put(padded_page_pairs(pairs)))
+
+    def accepted(self, seqs: Sequence, num_accepted: np.ndarray) -> None:
+        # Drafts 0..D-2 were written at pos0 + j; those accepted are right, the rest are not.
+        d = self.num_speculative_tokens
+        for seq, pos0, n in zip(seqs, self._pos0, num_accepted):
+            self.seen[seq.seq_id] = pos0 + min(int(n), d - 1)
+
+    def forget(self, seq_id: int) -> None:
+        self.seen.pop(seq_id, None)
+
+    def warmup(self, runner) -> None:
+        for shape in runner.step_shapes():
+            d, p, w = shape
+            if p is not None and d == 0:
+                self.prefill(runner.empty_batch(shape), 0, ())
+        for b in runner.verify_buckets:
+            tables = np.zeros((b, runner.pages_per_seq), np.int32)
+            zeros = np.zeros((b, CATCH_UP), np.int32)
+            self.cache = draft_prefill(self.params, self.cache,
+                                       *self.put((zeros, zeros[:, 0], zeros[:, 0], tables)),
+                                       cfg=self.cfg, backend=self.backend)
+            self.drafts([], runner.empty_batch((b, None, w)))
+        self.copy_pages([(0, 0)])
+
+    def reset(self) -> None:
+        self.cache = self.put(PagedKVCache.create(self.cfg, self.cache.num_pages,
+                                                  self.cache.page_size))
+        self.seen.clear()
+
+    def num_compilations(self) -> int:
+        return draft_prefill._cache_size() + draft_propose._cache_size()

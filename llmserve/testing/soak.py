@@ -384,10 +384,8 @@ def engine_config(soak: SoakConfig, run: str, model) -> EngineConfig:
 def compilations(engine: Engine) -> int:
     """Executables of the engine's jitted steps (and the draft model's), process-wide."""
     n = engine.runner.num_compilations()
-    if engine.spec is not None and engine.spec.method == "draft":
-        from llmserve.speculative import draft
-
-        n += draft.draft_prefill._cache_size() + draft.draft_propose._cache_size()
+    if engine.spec is not None and hasattr(engine.proposer, "num_compilations"):
+        n += engine.proposer.num_compilations()
     return n
 
 
