@@ -1,8 +1,8 @@
 r"""Speculative decoding benchmark: interleaved A/B pairs, plain vs speculative (issue 11).
 
-  python -m experiments.speculative --config=configs/speculative.py:smoke   # ~30 s, tiny model
-  python -m experiments.speculative --config=configs/speculative.py:small   # ~3 min, SmolLM2
-  python -m experiments.speculative --config=configs/speculative.py         # full, ~25 min
+  python -m experiments.speculative --config=configs/speculative.py:smoke   # ~45 s, tiny model
+  python -m experiments.speculative --config=configs/speculative.py:small   # ~3-5 min, SmolLM2
+  python -m experiments.speculative --config=configs/speculative.py         # full, ~15-25 min
   python -m experiments.speculative --config=configs/speculative.py --config.dtype=float32
 ("runlocal" is an alias of "smoke"; "smoke" runs a random-weight tiny target in fp32, checking
 the pipeline only: its speed and acceptance numbers mean nothing.)
@@ -32,9 +32,12 @@ prompts take new prompts each pair; larger ones reuse one group, prefilled once 
 before timing (prefix cache) so that the long prompts are not re-prefilled every pair.
 
 ``pairs`` and ``max_tokens`` are "batch:value" lists; a batch not listed takes the value of the
-largest listed batch below it. The full default (bf16, 4 batches, n-gram + draft + EAGLE, both
-adaptive settings) is sized to ~25 min on 2 shared CPU cores: batch 1 gets 9 pairs of 64
-tokens, batch 4 7 pairs, batches 16 and 32 5 pairs of 48 and 32 tokens.
+largest listed batch below it. Runtime on 2 shared CPU cores: compiling each (workload, batch)'s
+step shapes takes ~30-40 s of it (SmolLM2 bf16), then the pairs. Measured: smoke 76 s and
+small 281 s at a 1-min load average of 5-7 (other jobs on the 2 cores). The full default
+(bf16, 4 batches, n-gram + draft + EAGLE, both adaptive settings; batch 1: 9 pairs of 64
+tokens, batch 4: 5 pairs of 64, batch 16: 5 of 48, batch 32: 5 of 32) is estimated from those
+at ~25 min under that load, ~15 min on an idle machine, ~4 min less without the EAGLE rows.
 Writes results/speculative/<timestamp>/results.json, a plot (speedup vs batch per method,
 acceptance per draft position) and prints a markdown table.
 """
@@ -43,7 +46,7 @@ import ml_collections
 
 
 def get_config(arg: str = "full") -> ml_collections.ConfigDict:
-    """``arg``: "full" (default), "small" (SmolLM2, batch 1 and 4, 3/2 pairs of 32 tokens) or
+    """``arg``: "full" (default), "small" (SmolLM2, batch 1 and 4, 3 / 2 pairs of 32 tokens) or
     "smoke" (alias "runlocal": a random-weight tiny target, fp32, seconds)."""
     arg = {"runlocal": "smoke"}.get(arg, arg)
     if arg not in ("full", "small", "smoke"):
@@ -54,7 +57,7 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
     c.dtype = "float32" if arg == "smoke" else "bfloat16"
     c.out_root = ""  # "" = results/ (or $LLMSERVE_RESULTS)
     c.batches = {"full": "1,4,16,32", "small": "1,4", "smoke": "2"}[arg]
-    c.pairs = {"full": "1:9,4:7,16:5", "small": "1:3,4:2", "smoke": "1:2"}[arg]
+    c.pairs = {"full": "1:9,4:5", "small": "1:3,4:2", "smoke": "1:2"}[arg]
     c.max_tokens = {"full": "1:64,16:48,32:32", "small": "1:32", "smoke": "1:8"}[arg]
     c.num_speculative_tokens = 2 if arg == "smoke" else 4  # R
     c.adaptive = "false,true"  # always verify R drafts; the engine's never-slower policy
@@ -66,9 +69,13 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
     c.grounded_max_model_len = 768  # >= template + 600 + max_tokens + R
     c.max_chat_prompt_tokens = 64
     c.chat_max_model_len = 192
-    # (rows, chunk) prefill buckets; the last must hold any chunk the scheduler makes
-    c.grounded_prefill_buckets = ((1, 512),)
+    # (rows, chunk) prefill buckets; the last must hold any chunk the scheduler makes. Chunks
+    # of 128 let 4 requests prefill per step (a prefix-cache hit leaves a short tail each).
+    c.grounded_prefill_buckets = ((1, 128), (4, 128))
     c.chat_prefill_buckets = ((8, 64),)
+    if arg == "smoke":  # one set of step shapes for both workloads: compiles once
+        c.chat_max_model_len = c.grounded_max_model_len
+        c.chat_prefill_buckets = c.grounded_prefill_buckets
     c.max_num_batched_tokens = 512
     c.page_size = 16
     c.backend = ""  # "" = the platform's default

@@ -63,6 +63,7 @@ class Prompt:
     ids: tuple[int, ...]
     source: str
     held_out: bool = True
+    function_tokens: Optional[int] = None  # input-grounded: the function's own length
 
 
 def _function_node(source: str) -> Optional[ast.FunctionDef]:
@@ -118,13 +119,14 @@ def grounded_prompts(cfg, tokenizer) -> list[Prompt]:
             if node is None or (variant == "type hints" and _annotated(node)):
                 continue
             source = fn["source"] if variant == "type hints" else without_docstring(fn["source"])
-            if source is None or not lo <= len(tokenizer.encode(source)) <= hi:
+            n = len(tokenizer.encode(source)) if source is not None else 0
+            if not lo <= n <= hi:
                 continue
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": rewrite_request(module, source, variant)}],
                 add_generation_prompt=True)
-            out.append(Prompt(tuple(tokenizer.encode(text)), f"{module}.{fn['name']} "
-                                                               f"({variant})"))
+            out.append(Prompt(tuple(tokenizer.encode(text)),
+                              f"{module}.{fn['name']} ({variant})", function_tokens=n))
             break
         if len(out) == cfg.num_grounded:
             return out
@@ -591,7 +593,11 @@ def main(argv) -> None:
                f"{os.cpu_count()} CPU cores")
     path = common.write_results(
         out, "speculative", cfg, sorted(rows, key=_order), summarize(rows), caveats, [png],
-        prompts={w: [p.source for p in ps] for w, ps in prompts.items()}, table=table,
+        prompts={w: [{"source": p.source, "tokens": len(p.ids), "held_out": p.held_out,
+                      "function_tokens": p.function_tokens} for p in ps]
+                 for w, ps in prompts.items()},
+        grounded_requests={v: rewrite_request("<module>", "<function>", v)
+                           for v in ("type hints", "docstring")}, table=table,
         skipped=skipped, total_s=time.perf_counter() - t_all)
     print(f"\nwrote {path} and {png} ({time.perf_counter() - t_all:.0f} s in all)")
     if cfg.fail_on_mismatch and not all(r["identical"] for r in rows):
