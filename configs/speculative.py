@@ -33,8 +33,8 @@ before timing (prefix cache) so that the long prompts are not re-prefilled every
 
 ``pairs`` and ``max_tokens`` are "batch:value" lists; a batch not listed takes the value of the
 largest listed batch below it. Runtime on 2 shared CPU cores: compiling each (workload, batch)'s
-step shapes takes ~30-40 s of it (SmolLM2 bf16), then the pairs. Measured: smoke 76 s and
-small 281 s at a 1-min load average of 5-7 (other jobs on the 2 cores). The full default
+step shapes takes ~30-40 s of it (SmolLM2 bf16), then the pairs. Measured: smoke 48 s and
+small 281 s at a 1-min load average of 5-8 (other jobs on the 2 cores). The full default
 (bf16, 4 batches, n-gram + draft + EAGLE, both adaptive settings; batch 1: 9 pairs of 64
 tokens, batch 4: 5 pairs of 64, batch 16: 5 of 48, batch 32: 5 of 32) is estimated from those
 at ~25 min under that load, ~15 min on an idle machine, ~4 min less without the EAGLE rows.

@@ -185,10 +185,12 @@ def check_config(cfg) -> None:
     for b in _list(cfg.batches):
         if not b.isdigit() or int(b) < 1:
             raise ValueError(f"batches={cfg.batches!r}: positive integers")
-    for field in ("pairs", "max_tokens"):
+    for field, least in (("pairs", 1), ("max_tokens", 2)):  # 2: one timed decode step at least
         for kv in _list(getattr(cfg, field)):
-            if len(kv.split(":")) != 2 or not all(x.isdigit() for x in kv.split(":")):
-                raise ValueError(f"{field}={getattr(cfg, field)!r}: use batch:value,...")
+            parts = kv.split(":")
+            if len(parts) != 2 or not all(x.isdigit() for x in parts) or int(parts[1]) < least:
+                raise ValueError(f"{field}={getattr(cfg, field)!r}: use batch:value,... with "
+                                 f"values >= {least}")
     for a in _list(cfg.adaptive):
         if a.lower() not in ("true", "false"):
             raise ValueError(f"adaptive={cfg.adaptive!r}: true and/or false")
