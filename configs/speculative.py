@@ -1,78 +1,93 @@
-r"""Speculative decoding benchmark on SmolLM2-135M-Instruct fp32 (issue 5).
+r"""Speculative decoding benchmark: interleaved A/B pairs, plain vs speculative (issue 11).
 
-  python -m experiments.speculative --config=configs/speculative.py:smoke      # ~40 s, tiny model
-  python -m experiments.speculative --config=configs/speculative.py:small      # ~2.5 min, SmolLM2
-  python -m experiments.speculative --config=configs/speculative.py            # full, ~25 min
-("runlocal" is an alias of "smoke"; "smoke" runs a random-weight tiny target, checking the
-pipeline only: its acceptance numbers mean nothing.)
-Overrides: --config.max_tokens=32 --config.batches=1,4 --config.methods=ngram
-           --config.draft_model=checkpoints/distill_draft/smoke/draft_hf
+  python -m experiments.speculative --config=configs/speculative.py:smoke   # ~45 s, tiny model
+  python -m experiments.speculative --config=configs/speculative.py:small   # ~3-5 min, SmolLM2
+  python -m experiments.speculative --config=configs/speculative.py         # full, ~15-25 min
+  python -m experiments.speculative --config=configs/speculative.py --config.dtype=float32
+("runlocal" is an alias of "smoke"; "smoke" runs a random-weight tiny target in fp32, checking
+the pipeline only: its speed and acceptance numbers mean nothing.)
+Other overrides: --config.batches=1,4 --config.pairs=1:5 --config.max_tokens=1:32
+                 --config.adaptive=false --config.chat_methods=draft
+                 --config.eagle_model=checkpoints/eagle/smoke
 
-Workload: half chat prompts (held-out questions of llmserve.training.prompts, rendered with the
-model's chat template), half code-completion prompts (signature + docstring + the first body
-lines of held-out Python stdlib functions), at most ``max_prompt_tokens`` each; greedy, EOS
-ignored, ``max_tokens`` new tokens per request. A "batch" is that many concurrent requests
-(max_num_seqs = decode bucket = batch); batches smaller than ``min_requests`` run again with the
-next prompts (batch 1 runs one chat and one code request, one after the other).
+Workloads (fixed here, deterministic for a given Python version):
+- input-grounded (n-gram): ``num_grounded`` Python standard-library functions of
+  ``grounded_tokens`` SmolLM2 tokens (one per module, modules in crc32 order), each sent through
+  the chat template with a request to rewrite it with type hints added (even-numbered prompts;
+  functions already annotated are skipped) or with a docstring added (odd-numbered; the
+  function's own docstring is removed first). The answer copies much of the prompt; no prompt
+  asks for verbatim repetition.
+- chat (draft model, EAGLE head): the held-out chat questions of llmserve.training.prompts
+  (crc32 split, 15%, the draft never trained on them) through the chat template; batches larger
+  than the held-out set are filled with the other questions (the JSON says how many).
 
-Each row serves its rounds ``repeats`` times on the same engine (3; the smoke run once) and
-reports the median decode tokens/s with its [min-max].
-Rows: the no-speculation baseline per batch, then the n-gram and the draft-model proposers with
-adaptive=True (the engine's never-slower policy, which may stop speculating) and adaptive=False
-(always verify K drafts). The sweep is trimmed to fit 15 minutes of 2 shared CPU cores: every K
-of ``ks`` at the batches of ``all_k_batches``, only ``main_k`` at the others.
+For each (workload, method, batch): ``pairs`` repetitions; each runs the plain engine and every
+speculative variant (adaptive off / on) on the same prompts, in an order rotated every
+repetition. Each pair's speedup = its speculative decode tok/s / the same repetition's plain
+decode tok/s; the row reports the median [min-max]. Decode tok/s counts the steps after every
+request of the round has its first token (prefill and compilation outside the window).
+Greedy, EOS ignored, ``max_tokens`` new tokens; a "batch" is that many concurrent requests
+(max_num_seqs = decode bucket = batch). Batches ``b`` with ``b * pairs`` <= the workload's
+prompts take new prompts each pair; larger ones reuse one group, prefilled once per engine
+before timing (prefix cache) so that the long prompts are not re-prefilled every pair.
 
-Decode tokens/s counts only the steps after the last prefill of a round (prefill and
-compilation are outside the timed window). Writes results/speculative/<timestamp>/results.json and
-a plot (speedup vs batch; acceptance per draft position), and prints a markdown table.
-Measured (full, 2 shared CPU cores, load 2.6-5.5, 2026-11-30, 832 s): acceptance is low on
-this workload (n-gram 6-15%, the CPU-distilled 2-layer draft 3-8%; draft 1 accepted in ~25% /
-~13% of verify rows, later positions less), so always speculating is slower everywhere
-(0.54-0.80x at batch 1, 0.31-0.45x at batch 16-32); the adaptive policy mostly decodes plainly
-(0-18% verify steps at batch 1, 2-6% at 16-32) and lands within the no-speculation rows' noise
-(0.70-1.23x vs before/after baselines 17.7/18.9, 32.4/38.8, 101.8/143.3, 99.8/169.7 tok/s at
-batch 1/4/16/32). Greedy output equals the no-speculation output in every row.
+``pairs`` and ``max_tokens`` are "batch:value" lists; a batch not listed takes the value of the
+largest listed batch below it. Runtime on 2 shared CPU cores: compiling each (workload, batch)'s
+step shapes takes ~30-40 s of it (SmolLM2 bf16), then the pairs. Measured: smoke 48 s and
+small 281 s at a 1-min load average of 5-8 (other jobs on the 2 cores). The full default
+(bf16, 4 batches, n-gram + draft + EAGLE, both adaptive settings; batch 1: 9 pairs of 64
+tokens, batch 4: 5 pairs of 64, batch 16: 5 of 48, batch 32: 5 of 32) is estimated from those
+at ~25 min under that load, ~15 min on an idle machine, ~4 min less without the EAGLE rows.
+Writes results/speculative/<timestamp>/results.json, a plot (speedup vs batch per method,
+acceptance per draft position) and prints a markdown table.
 """
 
 import ml_collections
 
 
 def get_config(arg: str = "full") -> ml_collections.ConfigDict:
-    """``arg``: "full" (default), "small" (SmolLM2, batch 1 and 4, K=2, 8 tokens) or "smoke"
-    (alias "runlocal": the same sweep on a random-weight tiny target)."""
+    """``arg``: "full" (default), "small" (SmolLM2, batch 1 and 4, 3 / 2 pairs of 32 tokens) or
+    "smoke" (alias "runlocal": a random-weight tiny target, fp32, seconds)."""
     arg = {"runlocal": "smoke"}.get(arg, arg)
     if arg not in ("full", "small", "smoke"):
         raise ValueError(f"speculative config arg {arg!r}: use full, small or smoke")
-    runlocal = arg != "full"
     c = ml_collections.ConfigDict()
     c.name = arg
     c.target_model = "tiny-9-3" if arg == "smoke" else ""  # "" = SmolLM2-135M-Instruct
+    c.dtype = "float32" if arg == "smoke" else "bfloat16"
     c.out_root = ""  # "" = results/ (or $LLMSERVE_RESULTS)
-    c.batches = "1,4" if runlocal else "1,4,16,32"
-    if arg == "smoke":
-        c.batches = "2"
-    c.methods = "ngram,draft"
-    c.ks = "2" if runlocal else "2,4,6"
-    c.main_k = 2 if runlocal else 4  # the K run at every batch
-    c.all_k_batches = "1"  # batches that run every K of ks
-    # Both: the raw speculative speed, then the never-slower policy's effect.
-    c.adaptive = "false,true"
-    c.max_tokens = 8 if runlocal else 64
-    c.repeat_baseline = not runlocal  # no-speculation row again after each batch's sweep
-    c.min_requests = 2  # per row: small batches run again until this many requests ran
-    c.repeats = 1 if arg == "smoke" else 3  # each row's rounds, again on the same engine
+    c.batches = {"full": "1,4,16,32", "small": "1,4", "smoke": "2"}[arg]
+    c.pairs = {"full": "1:9,4:5", "small": "1:3,4:2", "smoke": "1:2"}[arg]
+    c.max_tokens = {"full": "1:64,16:48,32:32", "small": "1:32", "smoke": "1:8"}[arg]
+    c.num_speculative_tokens = 2 if arg == "smoke" else 4  # R
+    c.adaptive = "false,true"  # always verify R drafts; the engine's never-slower policy
+    c.grounded_methods = "ngram"
+    c.chat_methods = "draft,eagle"
 
-    c.max_prompt_tokens = 64
-    c.max_model_len = 160  # >= max_prompt_tokens + max_tokens + the largest K
-    c.prefill_buckets = ((1, 64), (8, 64))  # (rows, chunk): chunk >= max_prompt_tokens
+    c.num_grounded = 4 if arg == "smoke" else 40
+    c.grounded_tokens = (300, 600)  # the function's own length in SmolLM2 tokens
+    c.grounded_max_model_len = 768  # >= template + 600 + max_tokens + R
+    c.max_chat_prompt_tokens = 64
+    c.chat_max_model_len = 192
+    # (rows, chunk) prefill buckets; the last must hold any chunk the scheduler makes. Chunks
+    # of 128 let 4 requests prefill per step (a prefix-cache hit leaves a short tail each).
+    c.grounded_prefill_buckets = ((1, 128), (4, 128))
+    c.chat_prefill_buckets = ((8, 64),)
+    if arg == "smoke":  # one set of step shapes for both workloads: compiles once
+        c.chat_max_model_len = c.grounded_max_model_len
+        c.chat_prefill_buckets = c.grounded_prefill_buckets
     c.max_num_batched_tokens = 512
     c.page_size = 16
     c.backend = ""  # "" = the platform's default
 
-    # The distilled draft (scripts/distill_draft.py --config=configs/distill_draft.py:cpu);
-    # if the directory is missing, an untrained 2-layer draft sharing the target's embedding.
+    # The distilled draft (scripts/distill_draft.py --config=configs/distill_draft.py:cpu); if
+    # the directory is missing, an untrained 2-layer draft sharing the target's embedding.
     c.draft_model = "checkpoints/distill_draft/cpu/draft_hf"
     c.untrained_draft_layers = 2
+    # The EAGLE head; its rows are skipped (with a note) when the path is missing or the
+    # engine rejects method "eagle".
+    c.eagle_model = "checkpoints/eagle/cpu"
     c.ngram_max = 3
     c.ngram_min = 1
+    c.fail_on_mismatch = False  # True: exit non-zero when any greedy output differs
     return c

@@ -76,10 +76,18 @@ def gqa_cell(s: dict) -> str:
 
 
 def spec_cell(s: dict) -> str:
-    return (f"{_x(s.get('best_speedup_always'), '.2f')} decode speed at best "
-            f"({s.get('best_speedup_always_row')}, always speculating; acceptance "
-            f"{_pct(s.get('acceptance_always'))}); never-slower policy "
-            f"{_x(s.get('best_speedup_adaptive'), '.2f')}")
+    b = s.get("first_batch", 1)
+    parts = []
+    for method, what in (("ngram", "n-gram (input-grounded)"), ("draft", "draft model (chat)"),
+                         ("eagle", "EAGLE head (chat)")):
+        if f"{method}_b{b}_speedup_always" in s or f"{method}_b{b}_speedup_adaptive" in s:
+            parts.append(f"{what} {_x(s.get(f'{method}_b{b}_speedup_always'), '.2f')} always / "
+                         f"{_x(s.get(f'{method}_b{b}_speedup_adaptive'), '.2f')} adaptive")
+    return (f"batch {b}: " + "; ".join(parts or ["?"])
+            + f"; adaptive never below {_x(s.get('min_speedup_adaptive'), '.2f')} at any batch"
+            + f"; a verify step costs {_x(s.get(f'ngram_b{b}_verify_decode_cost'), '.2f')} a "
+              "decode step (n-gram)"
+            + ("" if s.get("all_identical", True) else "; GREEDY OUTPUT DIFFERS"))
 
 
 def paged_cell(s: dict) -> str:

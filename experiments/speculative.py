@@ -1,26 +1,40 @@
-r"""Speculative decoding: decode tokens/s with and without speculation (issue 5).
+r"""Speculative decoding: speedup over plain decoding from interleaved A/B pairs (issue 11).
 
   python -m experiments.speculative --config=configs/speculative.py:smoke
+  python -m experiments.speculative --config=configs/speculative.py:small
   python -m experiments.speculative --config=configs/speculative.py
+  python -m experiments.speculative --config=configs/speculative.py --config.dtype=float32
 
-See configs/speculative.py for the workload, the sweep and the overrides. The target
-(SmolLM2-135M-Instruct fp32) and the draft are loaded once and handed to every ``LLM``; the
-jitted steps are module-level, so each shape compiles once per process however many engines run.
+See configs/speculative.py for the workloads, the pairs and the overrides. n-gram runs on the
+input-grounded workload (stdlib functions to rewrite with type hints or docstrings), the draft
+model and the EAGLE head on held-out chat questions. Only the public API is used:
+``LLM(..., speculative_config={...})``, ``Engine.add_request`` / ``step``, ``engine.stats`` and
+``engine.spec_metrics()``.
 
-Per row (batch, method, K, adaptive) it reports decode tokens/s (steps after the last prefill of
-a round only), the speedup over the no-speculation row of the same batch, the acceptance rate
-(accepted / proposed drafts, from ``engine.stats`` and per request from ``RequestMetrics``),
-acceptance per draft position j (the fraction of verify rows carrying draft j in which draft j
-was accepted; greedy acceptance is a prefix, so draft j is accepted iff num_accepted > j, read
-from each verify result), and whether the greedy tokens equal the baseline's.
+Per row (workload, method, adaptive, batch) it reports:
+- speedup: per pair, speculative decode tok/s over the same pair's plain decode tok/s; the median
+  and [min-max] over the pairs (decode tok/s = tokens produced after every request of the round
+  has its first token / that wall time);
+- plain and speculative decode tok/s (medians), and whether every greedy output equals the plain
+  run's on the same prompts;
+- mean accepted length (accepted drafts per verify row) and acceptance per draft position, from
+  ``engine.spec_metrics()`` over the engine's pairs;
+- the verify / decode step cost: the wall time of each ``engine.step()`` call in the timed
+  window, host work included (proposing, the draft's own steps, acceptance, detokenizing). A
+  step is a verify step when ``engine.stats["spec_verify_time_s"]`` grew during it; plain decode
+  steps come from the plain engine of the same pair. The ratio is median verify step / median
+  plain decode step, per pair, then the median over pairs.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import gc
 import os
+import statistics
 import time
+import zlib
 from typing import Optional
 
 from absl import app, logging
@@ -36,89 +50,187 @@ common.quiet_startup()
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/speculative.py",
                                           "benchmark config", lock_config=True)
 
-KINDS = ("chat", "code")
+GROUNDED, CHAT = "input-grounded", "chat"
 HELD_OUT = 0.15  # configs/distill_draft.py eval_fraction: prompts the draft never trained on
+VERIFY_KEY = "spec_verify_time_s"  # engine.stats: grows on every verify step
 
 
-# ---------------------------------------------------------------------------------- workload
+# ---------------------------------------------------------------------------------- workloads
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    """One benchmark prompt: its kind ("chat" | "code"), token ids and where it came from."""
+    """One benchmark prompt: its token ids (chat template applied) and where it came from."""
 
-    kind: str
     ids: tuple[int, ...]
     source: str
+    held_out: bool = True
+    function_tokens: Optional[int] = None  # input-grounded: the function's own length
 
 
-def _ordered(items: list, key) -> list:
-    """Held-out items first (the distilled draft never saw them), then the rest."""
+def _function_node(source: str) -> Optional[ast.FunctionDef]:
+    try:
+        node = ast.parse(source).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def _annotated(node) -> bool:
+    args = node.args
+    every = args.posonlyargs + args.args + args.kwonlyargs + [a for a in (args.vararg,
+                                                                           args.kwarg) if a]
+    return node.returns is not None or any(a.annotation is not None for a in every)
+
+
+def without_docstring(source: str) -> Optional[str]:
+    """The function's source with its own docstring removed (None if nothing would be left)."""
+    node = _function_node(source)
+    if node is None or len(node.body) < 2 or ast.get_docstring(node) is None:
+        return None
+    doc = node.body[0]
+    if doc.lineno == node.lineno:  # "def f(): '''doc'''" on one line
+        return None
+    lines = source.splitlines()
+    return "\n".join(lines[:doc.lineno - 1] + lines[doc.end_lineno:])
+
+
+def rewrite_request(module: str, source: str, variant: str) -> str:
+    """The user message: rewrite one stdlib function with type hints or a docstring added."""
+    task = {"type hints": "with type hints added to its parameters and return value",
+            "docstring": "with a docstring added that explains what it does, its arguments "
+                         "and what it returns"}[variant]
+    return (f"Here is a function from Python's `{module}` module. Rewrite it {task}."
+            f"\n\n```python\n{source}\n```")
+
+
+def grounded_prompts(cfg, tokenizer) -> list[Prompt]:
+    """``num_grounded`` stdlib functions of ``grounded_tokens`` tokens, one per module (modules
+    in crc32 order, functions in source order), alternating type hints / docstring requests."""
     from llmserve.training import prompts as prompt_lib
 
-    return sorted(items, key=lambda x: not prompt_lib.is_held_out(key(x), HELD_OUT))
+    lo, hi = cfg.grounded_tokens
+    by_module: dict[str, list[dict]] = {}
+    for fn in prompt_lib.stdlib_functions(min_lines=8, max_lines=150):
+        by_module.setdefault(fn["module"], []).append(fn)
+    out: list[Prompt] = []
+    for module in sorted(by_module, key=lambda m: (zlib.crc32(m.encode()), m)):
+        for fn in by_module[module]:
+            variant = ("type hints", "docstring")[len(out) % 2]
+            node = _function_node(fn["source"])
+            if node is None or (variant == "type hints" and _annotated(node)):
+                continue
+            source = fn["source"] if variant == "type hints" else without_docstring(fn["source"])
+            n = len(tokenizer.encode(source)) if source is not None else 0
+            if not lo <= n <= hi:
+                continue
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": rewrite_request(module, source, variant)}],
+                add_generation_prompt=True)
+            out.append(Prompt(tuple(tokenizer.encode(text)),
+                              f"{module}.{fn['name']} ({variant})", function_tokens=n))
+            break
+        if len(out) == cfg.num_grounded:
+            return out
+    raise ValueError(f"only {len(out)} stdlib functions of {lo}-{hi} tokens; "
+                     f"num_grounded={cfg.num_grounded}")
 
 
-def build_prompts(cfg, tokenizer, count: int) -> dict[str, list[Prompt]]:
-    """``count`` chat and ``count`` code-completion prompts of <= max_prompt_tokens tokens."""
+def chat_prompts(cfg, tokenizer, count: int) -> list[Prompt]:
+    """Every chat question of <= max_chat_prompt_tokens tokens, the held-out ones first."""
     from llmserve.training import prompts as prompt_lib
 
-    out: dict[str, list[Prompt]] = {k: [] for k in KINDS}
-    for q in _ordered(list(prompt_lib.CHAT_QUESTIONS), lambda q: q):
+    questions = sorted(prompt_lib.CHAT_QUESTIONS,
+                       key=lambda q: not prompt_lib.is_held_out(q, HELD_OUT))
+    out = []
+    for q in questions:
         text = tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                              add_generation_prompt=True)
         ids = tokenizer.encode(text)
-        if len(ids) <= cfg.max_prompt_tokens and len(out["chat"]) < count:
-            out["chat"].append(Prompt("chat", tuple(ids), q))
-    held, rest = [], []
-    for fn in prompt_lib.stdlib_functions():
-        ids = tokenizer.encode(prompt_lib.code_prompts(fn)[0]["text"])
-        if not 16 <= len(ids) <= cfg.max_prompt_tokens:
-            continue
-        p = Prompt("code", tuple(ids), f"{fn['module']}.{fn['name']}")
-        (held if prompt_lib.is_held_out(fn["module"], HELD_OUT) else rest).append(p)
-        if len(held) >= count:
-            break
-    out["code"] = (held + rest)[:count]
-    for kind, ps in out.items():
-        if len(ps) < count:
-            raise ValueError(f"only {len(ps)} {kind} prompts of <= {cfg.max_prompt_tokens} "
-                             f"tokens; need {count}")
+        if len(ids) <= cfg.max_chat_prompt_tokens:
+            out.append(Prompt(tuple(ids), q, prompt_lib.is_held_out(q, HELD_OUT)))
+    if len(out) < count:
+        raise ValueError(f"only {len(out)} chat prompts of <= {cfg.max_chat_prompt_tokens} "
+                         f"tokens; need {count}")
     return out
 
 
-def round_prompts(prompts: dict[str, list[Prompt]], batch: int, index: int) -> list[Prompt]:
-    """The ``index``-th group of ``batch`` prompts, alternating chat and code."""
-    start = index * batch
-    return [prompts[KINDS[i % 2]][i // 2] for i in range(start, start + batch)]
+def groups(prompts: list[Prompt], batch: int, pairs: int) -> tuple[list[list[Prompt]], bool]:
+    """The prompts of each pair, and whether every pair reuses one group.
+
+    New prompts each pair while ``batch * pairs`` of them exist (only held-out ones for chat);
+    otherwise the first ``batch`` prompts every time.
+    """
+    pool = [p for p in prompts if p.held_out]
+    if batch * pairs <= len(pool):
+        return [pool[i * batch:(i + 1) * batch] for i in range(pairs)], False
+    return [prompts[:batch]] * pairs, True
 
 
-def rounds_for(cfg, batch: int) -> int:
-    return -(-cfg.min_requests // batch)
+# ---------------------------------------------------------------------------------- config
+def per_batch(spec: str, batch: int) -> int:
+    """``"1:9,4:7,16:5"`` at ``batch``: the value of the largest listed batch <= it."""
+    table = sorted((int(b), int(v)) for b, v in (kv.split(":") for kv in str(spec).split(",")))
+    value = table[0][1]
+    for b, v in table:
+        if b <= batch:
+            value = v
+    return value
+
+
+def _list(s: str) -> list[str]:
+    return [x.strip() for x in str(s).split(",") if x.strip()]
+
+
+def check_config(cfg) -> None:
+    """Clear errors for a bad override before any model is loaded."""
+    for b in _list(cfg.batches):
+        if not b.isdigit() or int(b) < 1:
+            raise ValueError(f"batches={cfg.batches!r}: positive integers")
+    for field, least in (("pairs", 1), ("max_tokens", 2)):  # 2: one timed decode step at least
+        for kv in _list(getattr(cfg, field)):
+            parts = kv.split(":")
+            if len(parts) != 2 or not all(x.isdigit() for x in parts) or int(parts[1]) < least:
+                raise ValueError(f"{field}={getattr(cfg, field)!r}: use batch:value,... with "
+                                 f"values >= {least}")
+    for a in _list(cfg.adaptive):
+        if a.lower() not in ("true", "false"):
+            raise ValueError(f"adaptive={cfg.adaptive!r}: true and/or false")
+    unknown = set(_list(cfg.grounded_methods) + _list(cfg.chat_methods)) - {
+        "ngram", "draft", "eagle"}
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}: use ngram, draft, eagle")
+    longest = max(per_batch(cfg.max_tokens, int(b)) for b in _list(cfg.batches))
+    need = cfg.max_chat_prompt_tokens + longest + cfg.num_speculative_tokens
+    if need > cfg.chat_max_model_len:
+        raise ValueError(f"chat_max_model_len={cfg.chat_max_model_len} < {need} (prompt + "
+                         "max_tokens + R)")
 
 
 # ---------------------------------------------------------------------------------- models
 def load_models(cfg) -> dict:
-    """Target (config, params, tokenizer) and the draft (config, params, description)."""
-    from llmserve.checkpoint import load_checkpoint
+    """Target (config, params) in ``cfg.dtype``, the tokenizer, and the draft (a path or a
+    (config, params) pair) with a description."""
     from llmserve.checkpoint.gguf import default_model_path
+    from llmserve.model import init_params
+    from llmserve.progress import phase
     from llmserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(default_model_path())
-    if cfg.target_model:  # a random-weight preset: the smoke variant (speed path only)
-        from llmserve.config import preset
-        from llmserve.model import init_params
+    with phase(f"loading the target ({cfg.target_model or 'SmolLM2-135M-Instruct'}, "
+               f"{cfg.dtype})"):
+        if cfg.target_model:  # a random-weight preset: the smoke variant (pipeline check only)
+            from llmserve.config import preset
 
-        tcfg = preset(cfg.target_model)
-        tparams = init_params(tcfg, 0)
-    else:
-        tcfg, tparams = load_checkpoint(None, dtype="float32")
+            tcfg = preset(cfg.target_model).replace(dtype=cfg.dtype)
+            tparams = init_params(tcfg, 0)
+        else:
+            from llmserve.checkpoint import load_checkpoint
+
+            tcfg, tparams = load_checkpoint(None, dtype=cfg.dtype)
     models = {"target": (tcfg, tparams), "tokenizer": tok}
     if os.path.isdir(cfg.draft_model) and not cfg.target_model:
-        dcfg, dparams = load_checkpoint(cfg.draft_model, dtype="float32")
-        models["draft"] = (dcfg, dparams)
-        models["draft_desc"] = f"distilled {dcfg.n_layers}-layer draft ({cfg.draft_model})"
+        models["draft"] = cfg.draft_model  # loaded by the engine, in the target's dtype
+        models["draft_desc"] = f"distilled draft ({cfg.draft_model})"
     else:
-        from llmserve.model import init_params
-
         dcfg = tcfg.replace(n_layers=cfg.untrained_draft_layers, tie_embeddings=True)
         dparams = dict(init_params(dcfg))
         dparams["embed"] = tparams["embed"]  # the LM head is final norm + tied embedding
@@ -128,215 +240,177 @@ def load_models(cfg) -> dict:
     return models
 
 
-# ---------------------------------------------------------------------------------- probing
-class VerifyProbe:
-    """Counts decode / verify steps and per-position acceptance by wrapping engine methods.
+def spec_config(cfg, models: dict, method: str, adaptive: bool) -> dict:
+    """The ``speculative_config`` a user would pass for this method."""
+    spec = {"method": method, "num_speculative_tokens": cfg.num_speculative_tokens,
+            "adaptive": adaptive}
+    if method == "ngram":
+        spec.update(prompt_lookup_max=cfg.ngram_max, prompt_lookup_min=cfg.ngram_min)
+    elif method == "draft":
+        spec["model"] = models["draft"]
+    else:
+        spec["model"] = cfg.eagle_model
+    return spec
 
-    ``_accept_verified(seq, res, i)`` sees every verify row: ``engine._num_draft[i]`` drafts were
-    carried and ``res.num_accepted[i]`` accepted, so (greedy) draft j was accepted iff
-    num_accepted > j. Instance attributes shadow the methods; the engine is discarded after.
-    """
 
-    def __init__(self, engine, k: int, kind_of: dict):
-        self.k = k
-        self.kind_of = kind_of  # request_id -> prompt kind
-        self.calls = {"decode": 0, "verify": 0}
-        self.carried = {kind: [0] * k for kind in KINDS}  # rows carrying draft j
-        self.accepted = {kind: [0] * k for kind in KINDS}  # rows accepting draft j
-        self.rows = {kind: 0 for kind in KINDS}  # verify rows (any number of drafts)
-        accept, execute = engine._accept_verified, engine._execute
+def build_llm(cfg, models: dict, workload: str, batch: int, spec: Optional[dict]):
+    """An ``LLM`` over the shared target weights; every step shape compiled (warm-up)."""
+    from llmserve.llm import LLM
 
-        def probed_accept(seq, res, i):
-            kind = self.kind_of.get(seq.request_id, "chat")
-            num, acc = int(engine._num_draft[i]), int(res.num_accepted[i])
-            self.rows[kind] += 1
-            for j in range(min(num, self.k)):
-                self.carried[kind][j] += 1
-                self.accepted[kind][j] += int(acc > j)
-            return accept(seq, res, i)
+    tcfg, tparams = models["target"]
+    buckets = cfg.grounded_prefill_buckets if workload == GROUNDED else cfg.chat_prefill_buckets
+    return LLM(None, params=tparams, model_config=tcfg, tokenizer=models["tokenizer"],
+               max_num_seqs=batch, page_size=cfg.page_size,
+               max_model_len=(cfg.grounded_max_model_len if workload == GROUNDED
+                              else cfg.chat_max_model_len),
+               max_num_batched_tokens=cfg.max_num_batched_tokens,
+               backend=cfg.backend or None, decode_buckets=(batch,),
+               prefill_buckets=tuple(tuple(b) for b in buckets),
+               speculative_config=spec, warmup=True)
 
-        def counted(plan):
-            if plan.decode:
-                self.calls["verify" if plan.lookahead else "decode"] += 1
-            return execute(plan)
 
-        engine._accept_verified = probed_accept
-        engine._execute = counted
+def engine_of(llm):
+    """The engine behind an ``LLM`` (vLLM's name ``llm_engine`` when it exists)."""
+    return getattr(llm, "llm_engine", None) or llm.engine
 
-    def per_position(self, kinds=KINDS) -> list[Optional[float]]:
-        """Acceptance of draft j (j = 0..K-1) over the verify rows that carried it."""
-        out = []
-        for j in range(self.k):
-            carried = sum(self.carried[kd][j] for kd in kinds)
-            accepted = sum(self.accepted[kd][j] for kd in kinds)
-            out.append(accepted / carried if carried else None)
-        return out
+
+def _compilations(engine) -> Optional[int]:
+    count = getattr(getattr(engine, "runner", None), "num_compilations", None)
+    return count() if callable(count) else None
 
 
 # ---------------------------------------------------------------------------------- running
-def _prefilling(engine) -> bool:
-    sched = engine.scheduler
-    return bool(sched.waiting) or any(s.in_prefill for s in sched.running)
+def serve(engine, prompts: list[Prompt], params, tag: str) -> dict:
+    """Serves one round of concurrent requests; times every step after the last first token.
 
-
-def serve_round(engine, prompts: list[Prompt], params, prefix: str, probe) -> dict:
-    """Serves one batch of concurrent requests; times the steps after the last prefill."""
-    kind_of = probe.kind_of if probe is not None else {}
-    ids = []
-    for i, p in enumerate(prompts):
-        rid = engine.add_request(f"{prefix}-{i}", list(p.ids), params)
-        kind_of[rid] = p.kind
-        ids.append(rid)
-    done, t_start, tok_start, calls_start = {}, None, 0, {}
+    Returns decode tok/s over that window, each window step's seconds and whether it verified
+    drafts, and every request's token ids.
+    """
+    rids = [engine.add_request(f"{tag}-{i}", list(p.ids), params) for i, p in enumerate(prompts)]
+    count = dict.fromkeys(rids, 0)
+    final: dict[str, list[int]] = {}
+    window: Optional[tuple[float, int]] = None  # (start time, tokens at start)
+    steps: list[tuple[float, bool]] = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        before = engine.stats.get(VERIFY_KEY, 0.0)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        if window is not None:
+            steps.append((dt, engine.stats.get(VERIFY_KEY, 0.0) != before))
+        for out in outs:
+            count[out.request_id] = len(out.outputs[0].token_ids)
             if out.finished:
-                done[out.request_id] = out
-        if t_start is None and not _prefilling(engine):
-            t_start = time.perf_counter()
-            tok_start = engine.stats["generated_tokens"]
-            calls_start = dict(probe.calls) if probe is not None else {}
-    wall = time.perf_counter() - t_start
-    calls = {k: v - calls_start[k] for k, v in probe.calls.items()} if probe else {}
-    return {"outputs": [done[r] for r in ids], "decode_s": wall,
-            "decode_tokens": engine.stats["generated_tokens"] - tok_start, "calls": calls}
+                final[out.request_id] = list(out.outputs[0].token_ids)
+        if window is None and all(count.values()):
+            window = (time.perf_counter(), sum(count.values()))
+    wall = time.perf_counter() - window[0]
+    tokens = sum(count.values()) - window[1]
+    return {"tok_s": tokens / wall if wall > 0 else None, "tokens": tokens, "wall_s": wall,
+            "steps": steps, "token_ids": [final[r] for r in rids]}
 
 
-def run_row(cfg, models: dict, prompts: dict, batch: int, spec: Optional[dict]) -> dict:
-    """One configuration: builds the engine (compiles once per shape), serves its rounds."""
-    from llmserve.llm import LLM
+def _median(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def measure(cfg, models: dict, workload: str, methods: list[str], batch: int,
+            prompts: list[Prompt], skipped: dict) -> list[dict]:
+    """The interleaved A/B pairs of one (workload, batch): one row per speculative variant."""
+    from tqdm.auto import tqdm
+
     from llmserve.sampling_params import SamplingParams
 
-    tcfg, tparams = models["target"]
-    t0 = time.perf_counter()
-    llm = LLM(None, params=tparams, model_config=tcfg, tokenizer=models["tokenizer"],
-              max_num_seqs=batch, max_model_len=cfg.max_model_len, page_size=cfg.page_size,
-              max_num_batched_tokens=cfg.max_num_batched_tokens,
-              backend=cfg.backend or None, decode_buckets=(batch,),
-              prefill_buckets=tuple(tuple(b) for b in cfg.prefill_buckets),
-              speculative_config=spec, warmup=True)
-    engine = llm.engine
-    as_built = _policy_times(engine, batch)
-    if spec is not None and spec["adaptive"]:
-        reseed_policy(engine)
-    setup_s = time.perf_counter() - t0
-    seeded = _policy_times(engine, batch)
-    k = spec["num_speculative_tokens"] if spec else 0
-    probe = VerifyProbe(engine, k, {}) if spec else None
-    params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
-    compiled = engine.runner.num_compilations()
-    # The same rounds ``repeats`` times on this engine: decode tok/s is their median.
-    reps = [[serve_round(engine, round_prompts(prompts, batch, r), params, f"x{x}r{r}", probe)
-             for r in range(rounds_for(cfg, batch))] for x in range(cfg.repeats)]
-    rounds = [r for rep in reps for r in rep]
-    outs = [o for r in rounds for o in r["outputs"]]
-    kinds = [p.kind for _ in reps for r in range(len(reps[0]))
-             for p in round_prompts(prompts, batch, r)]
-    decode_s = sum(r["decode_s"] for r in rounds)
-    decode_tokens = sum(r["decode_tokens"] for r in rounds)
-    per_rep = [sum(r["decode_tokens"] for r in rep) / max(sum(r["decode_s"] for r in rep), 1e-9)
-               for rep in reps]
-    spread = common.spread(per_rep)
-    result = {"batch": batch, "method": spec["method"] if spec else "none", "k": k,
-              "adaptive": spec["adaptive"] if spec else None, "setup_s": setup_s,
-              "decode_s": decode_s, "decode_tokens": decode_tokens,
-              "decode_tok_s": spread["median"], "decode_tok_s_spread": spread,
-              "recompiles": engine.runner.num_compilations() - compiled,
-              "_tokens": [list(o.outputs[0].token_ids) for r in reps[0] for o in r["outputs"]]}
-    if spec:
-        calls = {c: sum(r["calls"][c] for r in rounds) for c in probe.calls}
-        result.update(spec_stats(engine, probe, outs, kinds, calls))
-        result["policy_times"] = {"as_built": as_built, "warmup": seeded,
-                                  "end": _policy_times(engine, batch)}
-    del llm, engine
-    gc.collect()
-    return result
-
-
-def reseed_policy(engine) -> None:
-    """Re-measures the never-slower policy's step times with every shape already compiled.
-
-    ``Engine.warmup`` times each step twice and feeds both into the policy's EMA, the first
-    including compilation (seconds, vs ~0.1 s per step), so the engine that first compiles a
-    verify shape starts with t_verify inflated ~100x and never speculates. A second warm-up
-    (all shapes cached now) over cleared tables gives the steady-state seed.
-    """
-    engine.policy.t_decode.clear()
-    engine.policy.t_verify.clear()
-    engine.warmup()
-
-
-def _policy_times(engine, batch: int) -> Optional[dict]:
-    """The never-slower policy's step-time estimates (s) for this batch's bucket."""
-    policy = getattr(engine, "policy", None)
-    if engine.spec is None or policy is None:
-        return None
-    td, tv = policy.t_decode.get(batch), policy.t_verify.get(batch)
-    return {"t_decode": td, "t_verify": tv, "ratio": tv / td if td and tv else None}
-
-
-def spec_stats(engine, probe: VerifyProbe, outs, kinds: list[str], calls: dict) -> dict:
-    """Acceptance overall, per prompt kind (per-request metrics) and per draft position."""
-    proposed, accepted = engine.stats.get("spec_proposed", 0), engine.stats.get("spec_accepted", 0)
-    per_kind = {}
-    for kind in KINDS:
-        ms = [o.metrics for o, kd in zip(outs, kinds) if kd == kind]
-        prop, acc = sum(m.spec_proposed for m in ms), sum(m.spec_accepted for m in ms)
-        per_kind[kind] = {"proposed": prop, "accepted": acc,
-                          "rate": acc / prop if prop else None,
-                          "per_position": probe.per_position((kind,)),
-                          "carried_at": list(probe.carried[kind]),
-                          "accepted_at": list(probe.accepted[kind])}
-    rows = sum(probe.rows.values())
-    return {"spec_proposed": proposed, "spec_accepted": accepted,
-            "acceptance_rate": accepted / proposed if proposed else None,
-            "tokens_per_verify_row": 1 + accepted / rows if rows else None,
-            "verify_rows": rows, "window_steps": calls,
-            "verify_step_fraction": calls["verify"] / max(calls["verify"] + calls["decode"], 1),
-            "per_position": probe.per_position(), "per_kind": per_kind}
-
-
-def sweep(cfg) -> list[tuple[int, Optional[dict]]]:
-    """(batch, speculative_config or None) in run order: each batch's baseline first."""
-    batches = [int(b) for b in str(cfg.batches).split(",")]
-    ks = [int(k) for k in str(cfg.ks).split(",")]
-    all_k = {int(b) for b in str(cfg.all_k_batches).split(",") if b}
-    methods = [m.strip() for m in cfg.methods.split(",") if m.strip()]
-    adaptive = [a.strip().lower() == "true" for a in cfg.adaptive.split(",")]
-    out = []
-    for b in batches:
-        out.append((b, None))
-        first = len(out)
-        for method in methods:
-            for k in (ks if b in all_k else [cfg.main_k]):
-                for a in adaptive:
-                    spec = {"method": method, "num_speculative_tokens": k, "adaptive": a}
-                    if method == "ngram":
-                        spec.update(prompt_lookup_max=cfg.ngram_max,
-                                    prompt_lookup_min=cfg.ngram_min)
-                    out.append((b, spec))
-        if cfg.repeat_baseline and len(out) > first:
-            out.append((b, None))  # again after the speculative rows: a drift / noise check
-    return out
-
-
-def compare(results: list[dict]) -> None:
-    """Adds speedup (vs the mean of the batch's no-speculation rows) and greedy equality (vs
-    the first of them)."""
-    base: dict[int, list[dict]] = {}
-    for r in results:
-        if r["method"] == "none":
-            base.setdefault(r["batch"], []).append(r)
-    for r in results:
-        refs = base.get(r["batch"])
-        if not refs:
+    pairs, max_tokens = per_batch(cfg.pairs, batch), per_batch(cfg.max_tokens, batch)
+    adaptive = [a.lower() == "true" for a in _list(cfg.adaptive)]
+    engines, setup = {}, {}
+    variants = [(f"{m} adaptive={'on' if a else 'off'}", spec_config(cfg, models, m, a))
+                for m in methods if m not in skipped for a in adaptive]
+    for name, spec in variants + [("plain", None)]:
+        if spec is None and not engines:
+            return []  # every variant skipped: no plain run needed
+        if spec is not None and spec["method"] in skipped:
             continue
-        ref = refs[0]
-        r["baseline_tok_s"] = sum(b["decode_tok_s"] for b in refs) / len(refs)
-        r["speedup"] = r["decode_tok_s"] / r["baseline_tok_s"]
-        same = [a == b for a, b in zip(r["_tokens"], ref["_tokens"])]
-        r["greedy_equal"] = {"requests": len(same), "identical": sum(same)}
-        r["identical"] = all(same)
+        if spec is not None and spec["method"] == "eagle" and not os.path.exists(
+                cfg.eagle_model):
+            skipped["eagle"] = f"EAGLE rows skipped: {cfg.eagle_model} does not exist"
+            logging.warning(skipped["eagle"])
+            continue
+        t0 = time.perf_counter()
+        try:
+            llm = build_llm(cfg, models, workload, batch, spec)
+        except (ValueError, TypeError, NotImplementedError, KeyError, OSError) as e:
+            if spec is None or spec["method"] != "eagle":
+                raise
+            skipped["eagle"] = f"EAGLE rows skipped: the engine rejected it ({e})"
+            logging.warning(skipped["eagle"])
+            continue
+        engines[name], setup[name] = engine_of(llm), time.perf_counter() - t0
+    plan, reused = groups(prompts, batch, pairs)
+    if reused:  # long prompts: prefill the one group once per engine, outside any timing
+        warm = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for name, engine in engines.items():
+            serve(engine, plan[0], warm, f"warm-{name}")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    compiled = {n: _compilations(e) for n, e in engines.items()}
+    names = ["plain"] + [n for n in engines if n != "plain"]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    bar = tqdm(range(pairs), desc=f"{workload} batch {batch}", leave=False)
+    for p in bar:
+        order = names[p % len(names):] + names[:p % len(names)]  # rotated every pair
+        for name in order:
+            runs[name].append(serve(engines[name], plan[p], params, f"p{p}"))
+        plain = runs["plain"][-1]["tok_s"]
+        bar.set_postfix_str(" ".join(
+            f"{n.replace(' adaptive=', '/')} {runs[n][-1]['tok_s'] / plain:.2f}x"
+            for n in names[1:]))
+    bar.close()
+    rows = [variant_row(cfg, workload, name, batch, max_tokens, runs["plain"], runs[name],
+                        engines[name], plan, reused)
+            for name in names[1:]]
+    for row, name in zip(rows, names[1:]):
+        row["setup_s"] = {"plain": setup["plain"], "spec": setup[name]}
+        after = _compilations(engines[name])
+        row["recompiles"] = None if after is None else after - compiled[name]
+    engines.clear()
+    gc.collect()
+    return rows
+
+
+def variant_row(cfg, workload: str, name: str, batch: int, max_tokens: int, plain: list[dict],
+                spec: list[dict], engine, plan: list[list[Prompt]], reused: bool) -> dict:
+    """Speedups, tok/s, greedy equality, acceptance and step cost of one variant's pairs."""
+    speedups = [s["tok_s"] / b["tok_s"] for b, s in zip(plain, spec)]
+    same = [a == b for bp, sp in zip(plain, spec)
+            for a, b in zip(bp["token_ids"], sp["token_ids"])]
+    ratios, verify_fracs = [], []
+    for b, s in zip(plain, spec):
+        t_decode = _median(dt for dt, _ in b["steps"])
+        t_verify = _median(dt for dt, verified in s["steps"] if verified)
+        ratios.append(t_verify / t_decode if t_verify and t_decode else None)
+        verify_fracs.append(sum(v for _, v in s["steps"]) / max(len(s["steps"]), 1))
+    metrics = engine.spec_metrics()
+    method, mode = name.split(" ")
+    return {
+        "workload": workload, "method": method, "adaptive": mode.endswith("on"),
+        "batch": batch, "R": cfg.num_speculative_tokens, "pairs": len(spec),
+        "max_tokens": max_tokens, "prompt_group_reused": reused,
+        "prompts": sorted({p.source for g in plan for p in g}),
+        "held_out_prompts": sum(p.held_out for p in plan[0]),
+        "speedup": common.spread(speedups), "speedups": speedups,
+        "plain_tok_s": common.spread([b["tok_s"] for b in plain]),
+        "spec_tok_s": common.spread([s["tok_s"] for s in spec]),
+        "identical": all(same), "greedy_equal": {"requests": len(same), "identical": sum(same)},
+        "acceptance_rate": metrics.get("acceptance_rate"),
+        "mean_accepted_length": metrics.get("mean_accepted_length"),
+        "acceptance_per_position": metrics.get("acceptance_per_position"),
+        "decode_step_ms": _median(1e3 * _median(dt for dt, _ in b["steps"]) for b in plain),
+        "verify_step_ms": _median(1e3 * t for t in (
+            _median(dt for dt, v in s["steps"] if v) for s in spec) if t),
+        "verify_decode_cost": _median(ratios), "verify_decode_cost_per_pair": ratios,
+        "verify_step_fraction": _median(verify_fracs),
+        "spec_metrics": metrics}
 
 
 # ---------------------------------------------------------------------------------- reporting
@@ -344,209 +418,192 @@ def _f(v, spec: str) -> Optional[str]:
     return None if v is None else format(v, spec)
 
 
-def _positions(values) -> str:
+def _positions(values) -> Optional[str]:
+    if not values:
+        return None
     return "/".join("-" if v is None else f"{v:.2f}" for v in values)
 
 
-def report(results: list[dict]) -> str:
+def _order(r: dict) -> tuple:
+    return (r["workload"] != GROUNDED, r["method"], r["adaptive"], r["batch"])
+
+
+def report(rows: list[dict]) -> str:
     """The markdown table printed at the end of a run."""
-    rows = []
-    for r in results:
-        spec = r["method"] != "none"
-        kinds = r.get("per_kind", {})
-        rows.append([
-            r["batch"], r["method"], r["k"] or None,
-            None if r["adaptive"] is None else ("on" if r["adaptive"] else "off"),
-            common.fmt_spread(r["decode_tok_s_spread"]), _f(r.get("speedup"), ".2f"),
-            _f(r.get("acceptance_rate"), ".2f") if spec else None,
-            _f(kinds.get("chat", {}).get("rate"), ".2f"),
-            _f(kinds.get("code", {}).get("rate"), ".2f"),
-            _positions(r["per_position"]) if spec else None,
-            _f(r.get("tokens_per_verify_row"), ".2f"),
-            _f(r.get("verify_step_fraction"), ".0%"),
-            _f((r.get("policy_times") or {}).get("warmup", {}).get("ratio"), ".2f")
-            if r["adaptive"] else None,
-            str(r.get("identical", "-"))])
-    headers = ["batch", "method", "K", "adaptive", "decode tok/s, median [min-max]", "speedup",
-               "accept",
-               "accept chat", "accept code", "accept @ pos 1..K", "tok / verify row",
-               "verify steps", "t_verify / t_decode", "greedy == base"]
-    return common.markdown_table(headers, rows)
+    cells = []
+    for r in sorted(rows, key=_order):
+        s = r["speedup"]
+        cells.append([
+            r["workload"], r["method"], "on" if r["adaptive"] else "off", r["batch"], r["pairs"],
+            f"{s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]",
+            f"{r['plain_tok_s']['median']:.1f}", f"{r['spec_tok_s']['median']:.1f}",
+            "yes" if r["identical"] else
+            f"NO ({r['greedy_equal']['identical']}/{r['greedy_equal']['requests']})",
+            _f(r["mean_accepted_length"], ".2f"), _positions(r["acceptance_per_position"]),
+            _f(r["verify_decode_cost"], ".2f"), _f(r["verify_step_fraction"], ".0%")])
+    headers = ["workload", "method", "adaptive", "batch", "pairs",
+               "speedup, median [min-max]", "plain tok/s", "spec tok/s", "greedy identical",
+               "mean accepted length", "accept @ pos 1..R", "verify / decode step",
+               "verify steps"]
+    return common.markdown_table(headers, cells)
 
 
-def notes(cfg, models: dict, results: list[dict], prompts: dict) -> list[str]:
+def notes(cfg, models: dict, rows: list[dict], prompts: dict, skipped: dict,
+          loads: list[float]) -> list[str]:
     """Caveats printed under the table and stored in the JSON."""
-    lens = {k: [len(p.ids) for p in v] for k, v in prompts.items()}
     target = (f"{cfg.target_model} (random weights: pipeline check only)" if cfg.target_model
               else "SmolLM2-135M-Instruct")
-    out = [f"{target} fp32, {os.cpu_count()} shared CPU cores; greedy, ignore_eos, "
-           f"{cfg.max_tokens} new tokens per request; batch = concurrent requests "
-           f"(max_num_seqs = decode bucket = batch); batches < {cfg.min_requests} run "
-           f"{cfg.min_requests} requests one round after another",
-           "prompts alternate chat (chat template) / code completion (stdlib signature + "
-           "docstring); prompt tokens chat " + "-".join(map(str, _span(lens["chat"])))
-           + ", code " + "-".join(map(str, _span(lens["code"]))),
-           "decode tok/s: tokens generated after the last prefill step of each round / that "
-           "time (prefill, compilation and warm-up excluded)",
-           f"draft model: {models['draft_desc']}",
-           "accept = accepted / proposed drafts; accept @ pos j = fraction of verify rows "
-           "carrying draft j that accepted it; tok / verify row = 1 + accepted / verify rows; "
-           "verify steps = verify / (verify + plain decode) steps in the timed window (the "
+    lens = {w: [len(p.ids) for p in ps] for w, ps in prompts.items() if ps}
+    out = [f"{target} {cfg.dtype}, {os.cpu_count()} shared CPU cores (1-min load "
+           f"{min(loads):.1f}-{max(loads):.1f}); greedy, EOS ignored; R = "
+           f"{cfg.num_speculative_tokens}; batch = concurrent requests (max_num_seqs = decode "
+           "bucket = batch)",
+           "prompt tokens (chat template included): " + ", ".join(
+               f"{w} {min(v)}-{max(v)}" for w, v in lens.items()),
+           "speedup: per interleaved pair (plain and every speculative variant on the same "
+           "prompts, order rotated each pair), speculative / plain decode tok/s; median "
+           "[min-max] over the pairs. Decode tok/s = tokens produced after every request of "
+           "the round had its first token / that wall time",
+           "mean accepted length = accepted drafts per verify row; accept @ pos j = fraction of "
+           "verify rows carrying draft j that accepted it (engine.spec_metrics())",
+           "verify / decode step = median wall time of an engine.step() that verified drafts "
+           "(engine.stats['spec_verify_time_s'] grew) over the median plain decode step of the "
+           "same pair and batch, host work included (for draft/EAGLE: the draft's own steps); "
+           "verify steps = share of the speculative run's timed steps that verified (the "
            "adaptive policy may decode plainly)",
-           "speedup = decode tok/s / the mean of the batch's no-speculation rows (run before "
-           "and after its speculative rows); greedy == base compares every request's tokens "
-           "with the first no-speculation row's",
-           "t_verify / t_decode (adaptive rows) = the policy's warm-up measurement of one "
-           "verify step (with the draft's proposal) over one plain decode step at this batch; "
-           "the adaptive policy "
-           "speculates only while (1 + a + ... + a^K) / t_verify > 1 / t_decode (a = EMA "
-           "acceptance, prior 0.6); a and t_verify learn only from verify steps, so once off it "
-           "turns on again only if the measured decode step time grows. Adaptive rows re-run "
-           "Engine.warmup over cleared policy tables first: the engine's own warm-up feeds the "
-           "compiling run into the t_verify EMA (policy_times.as_built in the JSON)",
-           f"sweep trimmed to fit ~15 min: K={cfg.ks} at batch {cfg.all_k_batches}, "
-           f"K={cfg.main_k} at the other batches"]
-    out.append(noise_note(results))
-    if any(r.get("recompiles") for r in results):
-        out.append("some rows compiled during serving (see recompiles in the JSON)")
+           f"draft model: {models['draft_desc']}; chat rows at batch > "
+           f"{sum(p.held_out for p in prompts.get(CHAT, []))} include questions the draft "
+           "trained on (held_out_prompts in the JSON)"]
+    out += list(skipped.values())
+    bad = [r for r in rows if not r["identical"]]
+    if bad:
+        out.append("GREEDY OUTPUT DIFFERS from plain decoding in: " + ", ".join(
+            f"{r['method']} adaptive={'on' if r['adaptive'] else 'off'} batch {r['batch']}"
+            for r in bad))
+    if any(r.get("recompiles") for r in rows):
+        out.append("some engines compiled during serving (recompiles in the JSON)")
     return out
 
 
-def noise_note(results: list[dict]) -> str:
-    """The load range and how far apart each batch's repeated no-speculation rows landed."""
-    loads = [r["loadavg_1m"] for r in results]
-    spread = {}
-    for r in results:
-        if r["method"] == "none":
-            spread.setdefault(r["batch"], []).append(r["decode_tok_s"])
-    parts = [f"batch {b}: " + "/".join(f"{v:.1f}" for v in vs)
-             for b, vs in spread.items() if len(vs) > 1]
-    note = (f"1-min load average during the run: {min(loads):.1f}-{max(loads):.1f}; other jobs "
-            "share the cores, so tokens/s are noisy")
-    if parts:
-        note += ("; the no-speculation rows (before/after) gave " + ", ".join(parts)
-                 + " tok/s: read speedups within that spread as 'no difference'")
-    return note
-
-
-def _span(values: list[int]) -> tuple[int, int]:
-    return (min(values), max(values)) if values else (0, 0)
-
-
-def plot(path: str, results: list[dict], title: str) -> str:
-    """Speedup vs batch per (method, K, adaptive); acceptance per draft position."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 6))
-    groups: dict[tuple, list] = {}
-    for r in results:
-        if r["method"] != "none" and "speedup" in r:
-            groups.setdefault((r["method"], r["k"], r["adaptive"]), []).append(r)
+def plot(path: str, rows: list[dict], title: str) -> str:
+    """Speedup vs batch per (method, adaptive), with [min-max]; acceptance per draft position."""
+    plt = common.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5.5))
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    keys = sorted({(r["method"], r["k"]) for r in results if r["method"] != "none"})
-    color = {key: cycle[i % len(cycle)] for i, key in enumerate(keys)}  # one per (method, K)
-    for (method, k, adaptive), rs in sorted(groups.items()):
-        rs = sorted(rs, key=lambda r: r["batch"])
-        ax1.plot([r["batch"] for r in rs], [r["speedup"] for r in rs], color=color[method, k],
-                 marker="o" if method == "ngram" else "s",
-                 linestyle="-" if adaptive else "--",
-                 markerfacecolor=None if adaptive else "none",  # hollow: always speculate
-                 label=f"{method} K={k} adaptive={'on' if adaptive else 'off'}")
+    methods = sorted({r["method"] for r in rows})
+    color = {m: cycle[i % len(cycle)] for i, m in enumerate(methods)}
+    for (method, adaptive) in sorted({(r["method"], r["adaptive"]) for r in rows}):
+        rs = sorted((r for r in rows if (r["method"], r["adaptive"]) == (method, adaptive)),
+                    key=lambda r: r["batch"])
+        med = [r["speedup"]["median"] for r in rs]
+        err = [[m - r["speedup"]["min"] for m, r in zip(med, rs)],
+               [r["speedup"]["max"] - m for m, r in zip(med, rs)]]
+        ax1.errorbar([r["batch"] for r in rs], med, yerr=err, color=color[method], capsize=3,
+                     marker="o", linestyle="-" if adaptive else "--",
+                     markerfacecolor=None if adaptive else "none",
+                     label=f"{method} ({rs[0]['workload']}) adaptive {'on' if adaptive else 'off'}")
     ax1.axhline(1.0, color="gray", linewidth=0.8)
     ax1.set_xscale("log", base=2)
-    batches = sorted({r["batch"] for r in results})
+    batches = sorted({r["batch"] for r in rows})
     ax1.set_xticks(batches, [str(b) for b in batches])
     ax1.set_xlabel("batch (concurrent requests)")
-    ax1.set_ylabel("decode tokens/s vs no speculation")
-    ax1.legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.15))
-    pooled: dict[tuple, list] = {}  # (method, K) over every batch, always-speculate rows
-    for r in results:
-        if r["method"] != "none" and r["adaptive"] is False:
-            pooled.setdefault((r["method"], r["k"]), []).append(r)
-    for (method, k), rs in sorted(pooled.items()):
-        carried = [0] * k
-        accepted = [0] * k
-        for r in rs:
-            for kind in KINDS:
-                pk = r["per_kind"][kind]
-                carried = [a + b for a, b in zip(carried, pk["carried_at"])]
-                accepted = [a + b for a, b in zip(accepted, pk["accepted_at"])]
-        ax2.plot(range(1, k + 1), [a / c if c else float("nan")
-                                   for a, c in zip(accepted, carried)],
-                 marker="o" if method == "ngram" else "s", color=color[method, k],
-                 label=f"{method} K={k}")
-    ax2.set_xticks(range(1, max([k for _, k in pooled] or [1]) + 1))
+    ax1.set_ylabel("speedup over plain decoding (median of pairs, [min-max])")
+    ax1.legend(fontsize=7)
+    for r in sorted((r for r in rows if not r["adaptive"] and r["acceptance_per_position"]),
+                    key=lambda r: (r["method"], r["batch"])):
+        acc = [float("nan") if v is None else v for v in r["acceptance_per_position"]]
+        shade = 0.35 + 0.65 * (batches.index(r["batch"]) + 1) / len(batches)
+        ax2.plot(range(1, len(acc) + 1), acc, marker="o", color=color[r["method"]], alpha=shade,
+                 label=f"{r['method']} batch {r['batch']}")
+    ax2.set_xticks(range(1, max(r["R"] for r in rows) + 1))
     ax2.set_xlabel("draft position j")
     ax2.set_ylabel("P(draft j accepted | carried)")
     ax2.set_ylim(0, 1)
-    ax2.legend(fontsize=7, title="adaptive off, all batches", title_fontsize=7)
+    ax2.legend(fontsize=7, ncol=2, title="adaptive off", title_fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Headline numbers for experiments/report.py: batch-1 speedups, the worst adaptive row,
+    the batch-1 verify cost and whether every greedy output matched."""
+    out: dict = {"all_identical": all(r["identical"] for r in rows)}
+    for r in rows:
+        tag = "adaptive" if r["adaptive"] else "always"
+        if r["batch"] == min(x["batch"] for x in rows):
+            out[f"{r['method']}_b{r['batch']}_speedup_{tag}"] = r["speedup"]["median"]
+            out[f"{r['method']}_b{r['batch']}_mean_accepted_{tag}"] = r["mean_accepted_length"]
+            if not r["adaptive"]:
+                out[f"{r['method']}_b{r['batch']}_verify_decode_cost"] = r["verify_decode_cost"]
+    adaptive = [r for r in rows if r["adaptive"]]
+    if adaptive:
+        worst = min(adaptive, key=lambda r: r["speedup"]["median"])
+        out["min_speedup_adaptive"] = worst["speedup"]["median"]
+        out["min_speedup_adaptive_row"] = f"{worst['method']} batch {worst['batch']}"
+    out["first_batch"] = min((r["batch"] for r in rows), default=None)
+    return out
 
 
 def main(argv) -> None:
     del argv
     cfg = _CONFIG.value
+    check_config(cfg)
     t_all = time.perf_counter()
     models = load_models(cfg)
-    plan = sweep(cfg)
-    need = max(b * rounds_for(cfg, b) for b, _ in plan)
-    prompts = build_prompts(cfg, models["tokenizer"], -(-need // 2))
-    if cfg.target_model:  # token ids of SmolLM2's tokenizer folded into the preset's vocab
+    batches = [int(b) for b in _list(cfg.batches)]
+    tok = models["tokenizer"]
+    work = {GROUNDED: _list(cfg.grounded_methods), CHAT: _list(cfg.chat_methods)}
+    prompts = {GROUNDED: grounded_prompts(cfg, tok) if work[GROUNDED] else [],
+               CHAT: chat_prompts(cfg, tok, max(batches)) if work[CHAT] else []}
+    for p in prompts[GROUNDED]:
+        need = len(p.ids) + per_batch(cfg.max_tokens, max(batches)) + cfg.num_speculative_tokens
+        if need > cfg.grounded_max_model_len:
+            raise ValueError(f"grounded_max_model_len={cfg.grounded_max_model_len} < {need} "
+                             f"({p.source})")
+    if cfg.target_model:  # SmolLM2 token ids folded into the preset's vocabulary
         vocab = models["target"][0].vocab_size
-        prompts = {k: [dataclasses.replace(p, ids=tuple(t % vocab for t in p.ids)) for p in ps]
-                   for k, ps in prompts.items()}
+        prompts = {w: [dataclasses.replace(p, ids=tuple(t % vocab for t in p.ids)) for p in ps]
+                   for w, ps in prompts.items()}
     logging.info("draft: %s", models["draft_desc"])
-    results = []
-    for batch, spec in plan:
-        if spec and spec["method"] == "draft":
-            spec = dict(spec, model=models["draft"])
-        label = "none" if spec is None else (
-            f"{spec['method']} K={spec['num_speculative_tokens']} adaptive={spec['adaptive']}")
-        load = os.getloadavg()[0]
-        r = run_row(cfg, models, prompts, batch, spec)
-        r["loadavg_1m"] = round(load, 2)
-        results.append(r)
-        print(f"batch {batch:3d} {label:28s} {r['decode_tok_s']:7.1f} decode tok/s "
-              f"(setup {r['setup_s']:.0f} s, decode {r['decode_s']:.1f} s, "
-              f"elapsed {time.perf_counter() - t_all:.0f} s)", flush=True)
-    compare(results)
-    table = report(results)
-    caveats = notes(cfg, models, results, prompts)
+    rows, skipped, loads = [], {}, []
+    for workload, methods in work.items():
+        for batch in batches:
+            if not methods:
+                continue
+            loads.append(os.getloadavg()[0])
+            t0 = time.perf_counter()
+            new = measure(cfg, models, workload, methods, batch, prompts[workload], skipped)
+            rows += new
+            for r in new:
+                mode = "on " if r["adaptive"] else "off"
+                print(f"{workload:14s} {r['method']:6s} adaptive={mode} batch {batch:3d}: "
+                      f"{common.fmt_spread(r['speedup'], '.2f')}x "
+                      f"(plain {r['plain_tok_s']['median']:.1f}, spec "
+                      f"{r['spec_tok_s']['median']:.1f} tok/s)", flush=True)
+            print(f"  {workload} batch {batch}: {time.perf_counter() - t0:.0f} s (elapsed "
+                  f"{time.perf_counter() - t_all:.0f} s)", flush=True)
+    if not rows:
+        raise SystemExit("no speculative variant ran (every method skipped)")
+    table = report(rows)
+    caveats = notes(cfg, models, rows, prompts, skipped, loads)
     print(f"\n{table}\n\n" + "\n".join(f"- {c}" for c in caveats))
     out = common.run_dir("speculative", cfg.out_root or None)
     model = cfg.target_model or "SmolLM2-135M"
-    png = plot(os.path.join(out, "speculative.png"), results,
-               f"Speculative decoding, {model} fp32, {cfg.max_tokens} greedy tokens, "
+    png = plot(os.path.join(out, "speculative.png"), rows,
+               f"Speculative decoding, {model} {cfg.dtype}, R={cfg.num_speculative_tokens}, "
                f"{os.cpu_count()} CPU cores")
-    clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
     path = common.write_results(
-        out, "speculative", cfg, clean, summarize(results), caveats, [png],
-        prompts={k: [p.source for p in v] for k, v in prompts.items()}, table=table,
-        total_s=time.perf_counter() - t_all)
+        out, "speculative", cfg, sorted(rows, key=_order), summarize(rows), caveats, [png],
+        prompts={w: [{"source": p.source, "tokens": len(p.ids), "held_out": p.held_out,
+                      "function_tokens": p.function_tokens} for p in ps]
+                 for w, ps in prompts.items()},
+        grounded_requests={v: rewrite_request("<module>", "<function>", v)
+                           for v in ("type hints", "docstring")}, table=table,
+        skipped=skipped, total_s=time.perf_counter() - t_all)
     print(f"\nwrote {path} and {png} ({time.perf_counter() - t_all:.0f} s in all)")
-
-
-def summarize(results: list[dict]) -> dict:
-    """Headline numbers: the best speedup over no speculation (per mode) and its acceptance."""
-    out = {}
-    for adaptive in (False, True):
-        rows = [r for r in results if r["method"] != "none" and r["adaptive"] is adaptive
-                and r.get("speedup") is not None]
-        if rows:
-            best = max(rows, key=lambda r: r["speedup"])
-            tag = "adaptive" if adaptive else "always"
-            out[f"best_speedup_{tag}"] = best["speedup"]
-            out[f"best_speedup_{tag}_row"] = f"{best['method']} K={best['k']} batch {best['batch']}"
-            out[f"acceptance_{tag}"] = best.get("acceptance_rate")
-    return out
+    if cfg.fail_on_mismatch and not all(r["identical"] for r in rows):
+        raise SystemExit("greedy output differs from plain decoding (see the notes)")
 
 
 if __name__ == "__main__":

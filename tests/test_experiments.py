@@ -101,6 +101,34 @@ def test_smoke_throughput_systems_agree_and_are_interleaved(smoke_results):
 
 
 @pytest.mark.slow
+def test_smoke_speculative_pairs_match_plain_greedy_output(smoke_results):
+    base = smoke_results / "speculative"
+    data = json.loads((base / os.listdir(base)[0] / "results.json").read_text())
+    rows, cfg = data["results"], data["config"]
+    assert {("input-grounded", "ngram"), ("chat", "draft")} <= {(r["workload"], r["method"])
+                                                                for r in rows}
+    for r in rows:
+        # The oracle: the plain engine's greedy tokens on the same prompts in the same pair.
+        assert r["identical"], (r["method"], r["adaptive"], r["greedy_equal"])
+        assert r["pairs"] == len(r["speedups"]) >= 2
+        assert r["speedup"]["min"] <= r["speedup"]["median"] <= r["speedup"]["max"]
+        assert r["R"] == cfg["num_speculative_tokens"]
+        if not r["adaptive"]:  # every timed step verifies drafts, each costing > 0
+            assert r["verify_step_fraction"] == 1.0 and r["verify_decode_cost"] > 0
+        if r["verify_step_fraction"]:  # the adaptive policy may never verify
+            assert len(r["acceptance_per_position"]) == r["R"]
+            assert 0 <= r["mean_accepted_length"] <= r["R"]
+    grounded = data["prompts"]["input-grounded"]
+    lo, hi = cfg["grounded_tokens"]
+    assert len(grounded) == cfg["num_grounded"]
+    assert all(lo <= p["function_tokens"] <= hi for p in grounded)
+    assert [p["source"].endswith("(type hints)") for p in grounded[:2]] == [True, False]
+    requests = " ".join(data["grounded_requests"].values()).lower()
+    assert not any(w in requests for w in ("verbatim", "repeat", "copy", "unchanged"))
+    assert "eagle" in data["skipped"] or any(r["method"] == "eagle" for r in rows)
+
+
+@pytest.mark.slow
 def test_report_collects_the_table_and_updates_the_readme(smoke_results, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- results:begin -->\nold\n<!-- results:end -->\ntail\n")
