@@ -26,6 +26,13 @@ _FWD = jax.jit(eagle.eagle_forward, static_argnames=("ecfg", "backend"))
 _DENSE = jax.jit(eagle.eagle_forward_dense, static_argnames=("ecfg", "backend"))
 
 
+@jax.jit
+def _q_oracle(logits, vocab_map, arrays):
+    """q over the target's vocabulary: probs_from_logits of the scattered draft logits."""
+    full = eagle.scatter_logits(logits, vocab_map, CFG.vocab_size)
+    return sampling.probs_from_logits(full, arrays)
+
+
 def _setup(seed=0):
     target = init_params(CFG, seed=seed)
     ecfg = eagle.EagleConfig.from_target(CFG, VD)
@@ -150,7 +157,7 @@ def test_propose_chain_equals_step_by_step_and_greedy_is_mapped_argmax():
     last = np.asarray(n_valid) - 1
     f_prev, lgj = np.asarray(f)[np.arange(b), last], np.asarray(lg)[np.arange(b), last]
     for j in range(r):
-        q = sampling.probs_from_logits(eagle.scatter_logits(jnp.asarray(lgj), vm, 320), arrays)
+        q = _q_oracle(jnp.asarray(lgj), vm, arrays)
         np.testing.assert_allclose(np.asarray(out.probs)[:, j], q, atol=1e-5)
         assert np.all(np.asarray(q)[np.arange(b), drafts[:, j]] > 0)
         f, lg, cache = _FWD(head, embed, norm, vm, cache,
@@ -163,32 +170,39 @@ def test_propose_chain_equals_step_by_step_and_greedy_is_mapped_argmax():
 
 def test_padding_rows_write_only_page_zero_and_compile_once():
     ecfg, head, embed, norm, vm = _setup(seed=2)
-    b, t, r = 2, 3, 3
+    b, t, r = 2, 5, 4
     feats, toks = _inputs(b, t, seed=2)
-    tables = jnp.asarray(_tables(b, 3))
-    cache = eagle.create_cache(ecfg, 1 + b * 3, PAGE)
+    tables = jnp.asarray(_tables(b, 4))
+    cache = eagle.create_cache(ecfg, 1 + b * 4, PAGE)
+
     def sentinel():
         return jnp.full(cache.k[0].shape, 7.0, cache.k[0].dtype)
 
-    cache = cache.replace(k=(sentinel(),), v=(sentinel(),))
-    n_before = eagle.eagle_propose._cache_size()
+    def filled():  # positions 0..3 hold 7.0 too: the rows attend to them
+        return cache.replace(k=(sentinel(),), v=(sentinel(),))
 
-    def propose(cache, n_valid):
+    cache = filled()
+
+    def propose(cache, n_valid, with_probs=False):
         return eagle.eagle_propose(head, embed, norm, vm, cache, jnp.asarray(feats),
                                    jnp.asarray(toks), jnp.asarray([4, 4], jnp.int32),
                                    jnp.asarray(n_valid, jnp.int32), tables,
                                    SamplingArrays.neutral(b), ecfg=ecfg, num_draft=r,
-                                   with_probs=False)
+                                   with_probs=with_probs)
 
-    out, cache = propose(cache, [3, 0])  # row 1 is padding
+    out, cache = propose(cache, [5, 0])  # row 1 is padding
     assert out.probs is None
     k = np.asarray(cache.k[0])  # [K, P, L, H]
     row1_pages = np.asarray(tables)[1]
     assert np.all(k[:, row1_pages] == 7.0)  # the padding row's pages are untouched
     assert np.any(k[:, 0] != 7.0)  # its writes went to the dummy page
     assert np.any(k[:, np.asarray(tables)[0]] != 7.0)
+    n_compiled = eagle.eagle_propose._cache_size()
     out2, cache = propose(cache, [1, 2])
-    assert eagle.eagle_propose._cache_size() == n_before + 1  # the second call reused it
+    assert eagle.eagle_propose._cache_size() == n_compiled  # the second call reused it
+    # Skipping probs changes nothing else.
+    with_q, _ = propose(filled(), [5, 0], with_probs=True)
+    np.testing.assert_array_equal(with_q.tokens[0], out.tokens[0])
 
 
 def _smoke_rows(config, ecfg, target):
@@ -227,10 +241,10 @@ def test_training_lowers_loss_and_resumes_from_orbax(tmp_path):
 
     def run(ckpt, stop_after=None):
         return train(step, init_train_state(head0, optimizer), dataset, num_steps=tc.steps,
-                     frozen=frozen, ckpt_dir=str(ckpt), ckpt_every=tc.ckpt_every,
+                     frozen=frozen, ckpt_dir=ckpt and str(ckpt), ckpt_every=tc.ckpt_every,
                      stop_after=stop_after, progress=False, log_every=1)
 
-    full, hist = run(tmp_path / "a")
+    full, hist = run(None)
     losses = [h["loss"] for h in hist]
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
     run(tmp_path / "b", stop_after=tc.ckpt_every)  # interrupted after a checkpoint
