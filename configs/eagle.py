@@ -51,13 +51,15 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.data.temperature = 0.8
     c.data.top_p = 0.95
     c.data.max_num_seqs = {"cpu": 64, "gpu": 128, "smoke": 8}[arg]
+    # Windows of raw stdlib source (train-side modules) of max_prompt + max_new tokens.
+    c.data.corpus_rows = {"cpu": 768, "gpu": 8192, "smoke": 8}[arg]
     c.data.feature_batch = {"cpu": 16, "gpu": 64, "smoke": 8}[arg]
 
     c.head = ml_collections.ConfigDict()
     c.head.draft_vocab_size = {"cpu": 8192, "gpu": 16384, "smoke": 128}[arg]
 
     c.train = ml_collections.ConfigDict()
-    c.train.steps = {"cpu": 320, "gpu": 6000, "smoke": 12}[arg]
+    c.train.steps = {"cpu": 360, "gpu": 6000, "smoke": 12}[arg]
     c.train.batch_size = {"cpu": 8, "gpu": 32, "smoke": 4}[arg]
     c.train.learning_rate = {"cpu": 1e-3, "gpu": 5e-4, "smoke": 3e-3}[arg]
     c.train.warmup_steps = {"cpu": 20, "gpu": 300, "smoke": 1}[arg]
@@ -67,7 +69,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.train.ce_weight = 0.2  # EAGLE-1 uses 0.1 (smooth-L1 on features + w x cross-entropy)
     c.train.noise = 0.05  # uniform feature noise (x rms(h)), EAGLE's augmentation
     c.train.self_feed = arg != "smoke"  # + a pass on the head's own features (2x cost)
-    c.train.ckpt_every = {"cpu": 80, "gpu": 500, "smoke": 6}[arg]
+    c.train.ckpt_every = {"cpu": 90, "gpu": 500, "smoke": 6}[arg]
     c.train.log_every = {"cpu": 5, "gpu": 50, "smoke": 1}[arg]
     c.train.backend = "reference"  # dense, differentiable attention for training
 

@@ -5,8 +5,9 @@ r"""Train an EAGLE-style draft head on the target's own features (default: SmolL
 Stages (each cached under the workdir, so a killed run restarts where it stopped):
   1. data: the target samples responses (LLM.generate) to chat questions and prompts made
      from Python stdlib functions; held-out prompts (a disjoint split) get greedy responses;
-  2. features: the frozen target (bf16) over prompt + response: h_p (its last layer before
-     the final norm) and its greedy next token, per position;
+     plus windows of raw stdlib source from train-side modules (plain text, as EAGLE's corpus);
+  2. features: the frozen target (bf16) over prompt + response and the corpus windows: h_p
+     (its last layer before the final norm) and its greedy next token, per position;
   3. train: the head (fc + one decoder block; target's frozen embedding, final norm and a
      frequent-token draft vocabulary) with EAGLE's loss, AdamW, Orbax checkpoints;
   4. save: checkpoints/eagle/<name>/head/ (``eagle.load_eagle``);
@@ -52,14 +53,16 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/eagle.py:cpu",
 
 
 # ------------------------------------------------------------------------------ 1. data
-def prompt_ids(config, tokenizer, held_out: bool, count: int) -> list[list[int]]:
-    """``count`` prompts (chat and stdlib code) on one side of the stable train / held-out
-    split, as token ids (chat ones through the chat template), at most max_prompt_tokens."""
+def prompt_ids(config, tokenizer, functions: list[dict], held_out: bool,
+               count: int) -> list[list[int]]:
+    """``count`` prompts (chat, and code from ``functions`` of stdlib) on one side of the
+    stable train / held-out split, as token ids (chat ones through the chat template), at most
+    max_prompt_tokens each."""
     d = config.data
     rng = np.random.default_rng([config.seed, int(held_out), 7])
     chats = [p for p, q in zip(prompt_lib.chat_prompts(), prompt_lib.CHAT_QUESTIONS)
              if prompt_lib.is_held_out(q, d.eval_fraction) == held_out]
-    fns = [f for f in prompt_lib.stdlib_functions()
+    fns = [f for f in functions
            if prompt_lib.is_held_out(f["module"], d.eval_fraction) == held_out]
     code = [p for i in rng.permutation(len(fns))[:2 * count]
             for p in prompt_lib.code_prompts(fns[i])]
@@ -75,6 +78,26 @@ def prompt_ids(config, tokenizer, held_out: bool, count: int) -> list[list[int]]
         if len(out) == count:
             break
     return out
+
+
+def corpus_rows(config, tokenizer, count: int, length: int) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens of raw stdlib source from TRAIN-side modules
+    (at most 4 per module, random offsets): target features along plain text, as EAGLE
+    trains on a fixed corpus, cheaper than generating more responses."""
+    rng = np.random.default_rng([config.seed, 11])
+    sources = [(m, s) for m, s in prompt_lib.stdlib_sources()
+               if not prompt_lib.is_held_out(m, config.data.eval_fraction)]
+    out: list[list[int]] = []
+    for i in rng.permutation(len(sources)):
+        if len(out) >= count:
+            break
+        ids = tokenizer.encode(sources[i][1][:40 * length])
+        if len(ids) < length:
+            continue
+        for start in sorted(rng.choice(len(ids) - length + 1, min(4, len(ids) - length + 1),
+                                       replace=False)):
+            out.append([int(t) for t in ids[start:start + length]])
+    return out[:count]
 
 
 def _respond(llm, prompts, max_tokens, temperature, top_p, seed) -> list[list[int]]:
@@ -102,6 +125,8 @@ def make_data(config, workdir: str) -> dict:
             4, d.max_prompt_tokens + 1)))) for _ in range(n_tr + n_ev)]
         outs = generate_reference(params, cfg, prompts, d.max_new_tokens)
         train_p, eval_p = prompts[:n_tr], prompts[n_tr:]
+        corpus = [list(map(int, rng.integers(3, cfg.vocab_size, d.max_prompt_tokens +
+                                             d.max_new_tokens))) for _ in range(d.corpus_rows)]
         train_c, eval_c = outs[:n_tr], outs[n_tr:]
     else:
         from llmserve.llm import LLM
@@ -109,14 +134,18 @@ def make_data(config, workdir: str) -> dict:
         llm = LLM(model=config.target, dtype=config.target_dtype, max_num_seqs=d.max_num_seqs,
                   max_model_len=d.max_prompt_tokens + max(d.max_new_tokens,
                                                           d.eval_max_new_tokens))
-        train_p = prompt_ids(config, llm.tokenizer, False, d.num_train_prompts)
-        eval_p = prompt_ids(config, llm.tokenizer, True, d.num_eval_prompts)
+        functions = list(prompt_lib.stdlib_functions())
+        train_p = prompt_ids(config, llm.tokenizer, functions, False, d.num_train_prompts)
+        eval_p = prompt_ids(config, llm.tokenizer, functions, True, d.num_eval_prompts)
+        corpus = corpus_rows(config, llm.tokenizer, d.corpus_rows,
+                             d.max_prompt_tokens + d.max_new_tokens)
         logging.info("generating: %d train prompts, %d held-out", len(train_p), len(eval_p))
         train_c = _respond(llm, train_p, d.max_new_tokens, d.temperature, d.top_p, config.seed)
         eval_c = _respond(llm, eval_p, d.eval_max_new_tokens, 0.0, 1.0, 0)
         del llm
     data = {"train": [{"prompt": p, "completion": c} for p, c in zip(train_p, train_c)],
             "eval": [{"prompt": p, "completion": c} for p, c in zip(eval_p, eval_c)],
+            "corpus": corpus,
             "timing": {"generation_s": time.perf_counter() - t0}}
     with open(path + ".tmp", "w") as f:
         json.dump(data, f)
@@ -147,6 +176,8 @@ def make_features(config, workdir: str, data: dict, cfg, params) -> dict:
     out = {}
     for split, new in (("train", d.max_new_tokens), ("eval", d.eval_max_new_tokens)):
         seqs = [r["prompt"] + r["completion"] for r in data[split]]
+        if split == "train":
+            seqs += data.get("corpus", [])
         out[split] = eagle_train.target_features(cfg, params, seqs, d.max_prompt_tokens + new,
                                                  batch_size=d.feature_batch,
                                                  backend=config.train.backend, progress=True)
@@ -260,8 +291,9 @@ def main(argv):
     times["features_s"] = time.perf_counter() - t
 
     tc = config.train
-    vocab_map = eagle.frequent_vocab([r["prompt"] + r["completion"] for r in data["train"]],
-                                     cfg.vocab_size, config.head.draft_vocab_size)
+    vocab_map = eagle.frequent_vocab([r["prompt"] + r["completion"] for r in data["train"]]
+                                     + data.get("corpus", []), cfg.vocab_size,
+                                     config.head.draft_vocab_size)
     ecfg = eagle.EagleConfig.from_target(cfg, config.head.draft_vocab_size, dtype="float32")
     rows = eagle_train.eagle_rows(feats["train"], vocab_map, cfg.vocab_size)
     rows = {k: rows[k] for k in ("inputs", "features", "mask", "top1_draft")}
@@ -337,6 +369,7 @@ def main(argv):
                "draft_vocab": {"size": len(vocab_map), "greedy_token_coverage": coverage},
                "eagle_config": ecfg_serve.to_dict(), "head_dir": head_dir,
                "data": {"train_rows": len(data["train"]), "eval_rows": len(data["eval"]),
+                        "corpus_rows": len(data.get("corpus", [])),
                         "eval_positions": acc["num_positions"],
                         "generation": data["timing"]},
                "train": {"first": history[0] if history else None,

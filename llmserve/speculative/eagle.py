@@ -310,7 +310,10 @@ def eagle_propose(head_params, target_embed: Any, target_norm: Any, vocab_map: A
         return (cache, f[:, 0], tok, counts), (tok, q if with_probs else None)
 
     steps = jnp.arange(1, num_draft, dtype=jnp.int32)
-    (cache, *_), (toks, qs) = jax.lax.scan(step, (cache, f_last, tok0, counts), steps)
+    # Unrolled (R is small): as a while loop, XLA:CPU ran each bf16 chain step ~10x slower
+    # than the same step outside it (SmolLM2 dims, batch 1: 20 ms vs 1.8 ms).
+    (cache, *_), (toks, qs) = jax.lax.scan(step, (cache, f_last, tok0, counts), steps,
+                                           unroll=True)
     tokens = jnp.concatenate([tok0[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)  # [B, R]
     probs = None
     if with_probs:
