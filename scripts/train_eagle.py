@@ -332,9 +332,7 @@ def main(argv):
 
     # Eval and timing in the engine's dtype: the head cast to the target's.
     t = time.perf_counter()
-    ecfg_serve, served, _ = eagle.load_eagle(head_dir)
-    ecfg_serve = ecfg_serve.replace(dtype=cfg.dtype)
-    served = jax.tree_util.tree_map(lambda x: jnp.asarray(x, cfg.jnp_dtype), served)
+    ecfg_serve, served, _ = eagle.load_eagle(head_dir, dtype=cfg.dtype)
     r = config.eval.num_draft
     starts = [len(row["prompt"]) for row in data["eval"]]
     acc = eagle_train.chain_acceptance(ecfg_serve, served, params["embed"],

@@ -27,10 +27,10 @@ _DENSE = jax.jit(eagle.eagle_forward_dense, static_argnames=("ecfg", "backend"))
 
 
 @jax.jit
-def _q_oracle(logits, vocab_map, arrays):
+def _q_oracle(logits, vocab_map, arrays, counts, prompt_mask):
     """q over the target's vocabulary: probs_from_logits of the scattered draft logits."""
     full = eagle.scatter_logits(logits, vocab_map, CFG.vocab_size)
-    return sampling.probs_from_logits(full, arrays)
+    return sampling.probs_from_logits(full, arrays, counts, prompt_mask)
 
 
 def _setup(seed=0):
@@ -123,6 +123,13 @@ def _step_by_step(ecfg, head, embed, norm, vm, feats, toks, q_start, n_valid, ta
     return np.stack(tokens, 1), np.stack(logits, 1)
 
 
+def _no_history(b):
+    """Zero output counts and an empty prompt mask: every propose call in this file passes
+    them, so the calls of one shape share one compilation."""
+    return (jnp.zeros((b, CFG.vocab_size), jnp.int32),
+            jnp.zeros((b, CFG.vocab_size), jnp.bool_))
+
+
 def test_propose_chain_equals_step_by_step_and_greedy_is_mapped_argmax():
     ecfg, head, embed, norm, vm = _setup(seed=1)
     b, t, r = 2, 5, 4
@@ -134,7 +141,8 @@ def test_propose_chain_equals_step_by_step_and_greedy_is_mapped_argmax():
     cache = eagle.create_cache(ecfg, 1 + b * 4, PAGE)
     out, _ = eagle.eagle_propose(head, embed, norm, vm, cache, jnp.asarray(feats),
                                  jnp.asarray(toks), q_start, n_valid, tables,
-                                 SamplingArrays.neutral(b), ecfg=ecfg, num_draft=r)
+                                 SamplingArrays.neutral(b), *_no_history(b), ecfg=ecfg,
+                                 num_draft=r)
     # Greedy drafts: vocab_map[argmax of the step-by-step draft logits], in target ids.
     np.testing.assert_array_equal(np.asarray(out.tokens), want_tokens)
     assert np.all(np.isin(np.asarray(out.tokens), np.asarray(vm)))
@@ -142,14 +150,22 @@ def test_propose_chain_equals_step_by_step_and_greedy_is_mapped_argmax():
     assert probs.shape == (b, r, CFG.vocab_size)
     np.testing.assert_array_equal(probs.argmax(-1), want_tokens)  # one-hot q for greedy rows
 
-    # Sampled rows: q = probs_from_logits of the step-by-step logits scattered into V (the
-    # chain conditions on its own tokens, so feed the drafted ones to the oracle).
-    rows = [dict(temperature=0.9, top_k=30, seed=3), dict(temperature=1.3, seed=4)]
+    # A sampled row with penalties and a greedy row with a repetition penalty: q =
+    # probs_from_logits of the step-by-step logits scattered into V, with the counts of the
+    # earlier drafts (the chain conditions on its own tokens: the oracle is fed the drafts).
+    rows = [dict(temperature=0.9, top_k=30, seed=3, frequency_penalty=0.5,
+                 repetition_penalty=1.3), dict(repetition_penalty=2.0)]
     arrays = SamplingArrays.from_lists(rows)
+    rng = np.random.default_rng(5)
+    counts = np.zeros((b, CFG.vocab_size), np.int32)
+    counts[:, np.asarray(vm)[::3]] = rng.integers(0, 3, (b, len(vm[::3])))
+    pmask = np.zeros((b, CFG.vocab_size), bool)
+    pmask[:, np.asarray(vm)[1::4]] = True
     cache = eagle.create_cache(ecfg, 1 + b * 4, PAGE)
     out, _ = eagle.eagle_propose(head, embed, norm, vm, cache, jnp.asarray(feats),
                                  jnp.asarray(toks), q_start, n_valid, tables, arrays,
-                                 ecfg=ecfg, num_draft=r)
+                                 jnp.asarray(counts), jnp.asarray(pmask), ecfg=ecfg,
+                                 num_draft=r)
     drafts = np.asarray(out.tokens)
     cache = eagle.create_cache(ecfg, 1 + b * 4, PAGE)
     f, lg, cache = _FWD(head, embed, norm, vm, cache, jnp.asarray(feats),
@@ -157,9 +173,11 @@ def test_propose_chain_equals_step_by_step_and_greedy_is_mapped_argmax():
     last = np.asarray(n_valid) - 1
     f_prev, lgj = np.asarray(f)[np.arange(b), last], np.asarray(lg)[np.arange(b), last]
     for j in range(r):
-        q = _q_oracle(jnp.asarray(lgj), vm, arrays)
+        q = _q_oracle(jnp.asarray(lgj), vm, arrays, jnp.asarray(counts), jnp.asarray(pmask))
         np.testing.assert_allclose(np.asarray(out.probs)[:, j], q, atol=1e-5)
         assert np.all(np.asarray(q)[np.arange(b), drafts[:, j]] > 0)
+        assert drafts[1, j] == np.argmax(q[1])  # the greedy row: the penalized argmax
+        counts[np.arange(b), drafts[:, j]] += 1
         f, lg, cache = _FWD(head, embed, norm, vm, cache,
                                            jnp.asarray(f_prev[:, None]),
                                            jnp.asarray(drafts[:, j:j + 1]),
@@ -183,15 +201,14 @@ def test_padding_rows_write_only_page_zero_and_compile_once():
 
     cache = filled()
 
-    def propose(cache, n_valid, with_probs=False):
+    def propose(cache, n_valid, with_probs=True):
         return eagle.eagle_propose(head, embed, norm, vm, cache, jnp.asarray(feats),
                                    jnp.asarray(toks), jnp.asarray([4, 4], jnp.int32),
                                    jnp.asarray(n_valid, jnp.int32), tables,
-                                   SamplingArrays.neutral(b), ecfg=ecfg, num_draft=r,
-                                   with_probs=with_probs)
+                                   SamplingArrays.neutral(b), *_no_history(b), ecfg=ecfg,
+                                   num_draft=r, with_probs=with_probs)
 
     out, cache = propose(cache, [5, 0])  # row 1 is padding
-    assert out.probs is None
     k = np.asarray(cache.k[0])  # [K, P, L, H]
     row1_pages = np.asarray(tables)[1]
     assert np.all(k[:, row1_pages] == 7.0)  # the padding row's pages are untouched
@@ -201,8 +218,9 @@ def test_padding_rows_write_only_page_zero_and_compile_once():
     out2, cache = propose(cache, [1, 2])
     assert eagle.eagle_propose._cache_size() == n_compiled  # the second call reused it
     # Skipping probs changes nothing else.
-    with_q, _ = propose(filled(), [5, 0], with_probs=True)
-    np.testing.assert_array_equal(with_q.tokens[0], out.tokens[0])
+    no_q, _ = propose(filled(), [5, 0], with_probs=False)
+    assert no_q.probs is None
+    np.testing.assert_array_equal(no_q.tokens[0], out.tokens[0])
 
 
 def _smoke_rows(config, ecfg, target):
@@ -261,6 +279,9 @@ def test_training_lowers_loss_and_resumes_from_orbax(tmp_path):
     np.testing.assert_array_equal(vm2, vm)
     for a, b in zip(jax.tree_util.tree_leaves(full.params), jax.tree_util.tree_leaves(params2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ecfg3, params3, _ = eagle.load_eagle(path, dtype="bfloat16")
+    assert ecfg3.dtype == "bfloat16"
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(params3))
 
 
 @pytest.mark.parametrize("field,value", [("draft_vocab_size", 0), ("d_model", -1),

@@ -258,7 +258,7 @@ def eagle_propose(head_params, target_embed: Any, target_norm: Any, vocab_map: A
                   output_counts: Optional[Array] = None, prompt_mask: Optional[Array] = None, *,
                   ecfg: EagleConfig, num_draft: int, backend: str = "xla",
                   with_probs: bool = True):
-    """R = num_draft draft tokens per row from the head, in one jit (tail + a lax.scan chain).
+    """R = num_draft draft tokens per row from the head, in one jit (tail + an unrolled chain).
 
     The tail: head inputs (features [B, T, D], next_tokens [B, T]) of committed positions the
     head cache has not seen, outputs at q_start [B] + t (n_valid [B] real; 0 = padding row,
@@ -268,31 +268,33 @@ def eagle_propose(head_params, target_embed: Any, target_norm: Any, vocab_map: A
     0..R-2 enter the cache (the next tail overwrites them with the target's features).
 
     arrays [B]: SamplingArrays. Greedy rows draft the argmax; the others draw from
-    q = sampling.probs_from_logits(scattered draft logits, arrays, counts + earlier drafts,
-    prompt_mask) with the draft stream ``tagged_uniforms(seed, position, DRAFT_TAG)`` (as
-    ``draft.py``). Returns (DraftOutput(tokens [B, R] i32 in TARGET ids, probs [B, R, V] f32,
-    or None when with_probs=False (greedy-only batches skip the [B, R, V] output)), cache).
+    q = sampling.probs_from_logits(draft logits, arrays, counts + earlier drafts, prompt_mask)
+    with the draft stream ``tagged_uniforms(seed, position, DRAFT_TAG)`` (as ``draft.py``).
+    The sampling runs over the Vd draft tokens (counts and prompt_mask [B, V] gathered through
+    vocab_map): the law of the logits scattered into V (-inf elsewhere), at a Vd/V of the cost.
+    Returns (DraftOutput(tokens [B, R] i32 in TARGET ids, probs [B, R, V] f32 (q scattered
+    through vocab_map), or None when with_probs=False (greedy-only batches skip the [B, R, V]
+    output)), cache).
     """
     live = n_valid > 0  # [B]
     q_start = q_start.astype(jnp.int32)
     n_valid = n_valid.astype(jnp.int32)
     pos0 = q_start + n_valid  # [B]: where draft 0 sits
-    counts = output_counts
-    if counts is None and prompt_mask is not None:
-        counts = jnp.zeros(prompt_mask.shape, jnp.int32)
     vocab_map = vocab_map.astype(jnp.int32)
+    counts = None if output_counts is None else output_counts[:, vocab_map]  # [B, Vd]
+    pmask = None if prompt_mask is None else prompt_mask[:, vocab_map]  # [B, Vd]
+    if counts is None and pmask is not None:
+        counts = jnp.zeros(pmask.shape, jnp.int32)
     head = jnp.take(_table(target_embed, "embedding"), vocab_map, axis=0)  # [Vd, D], once
+    scale = _table(target_norm, "scale")
 
-    def logits_of(f):  # f [B, D] -> [B, V] over target ids
-        scale = _table(target_norm, "scale")
+    def pick(f, j, counts):  # f [B, D] -> draft j in target ids [B], q [B, Vd]
         x = RMSNorm(ecfg.norm_eps, scale.dtype).apply({"params": {"scale": scale}}, f)
-        return scatter_logits(matmul_f32(x, head, transpose_w=True), vocab_map, ecfg.vocab_size)
-
-    def pick(f, j, counts):
-        tok, q = draft_token(logits_of(f), arrays, pos0 + j, counts, prompt_mask)
+        idx, q = draft_token(matmul_f32(x, head, transpose_w=True), arrays, pos0 + j, counts,
+                             pmask)
         if counts is not None:
-            counts = sampling.update_counts(counts, tok, live)
-        return tok, q, counts
+            counts = sampling.update_counts(counts, idx, live)
+        return vocab_map[idx], q, counts
 
     meta = _head_meta(q_start, n_valid, features.shape[1], block_tables)
     f, cache = _run_head(head_params, target_embed, cache, features, next_tokens, meta, ecfg,
@@ -317,7 +319,9 @@ def eagle_propose(head_params, target_embed: Any, target_norm: Any, vocab_map: A
     tokens = jnp.concatenate([tok0[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)  # [B, R]
     probs = None
     if with_probs:
-        probs = jnp.concatenate([q0[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)  # [B, R, V]
+        q = jnp.concatenate([q0[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)  # [B, R, Vd]
+        probs = jnp.zeros(q.shape[:2] + (ecfg.vocab_size,), jnp.float32)
+        probs = probs.at[:, :, vocab_map].set(q)  # [B, R, V]
     return DraftOutput(tokens=tokens.astype(jnp.int32), probs=probs), cache
 
 
@@ -344,8 +348,12 @@ def save_eagle(path: str, ecfg: EagleConfig, head_params, vocab_map,
     return path
 
 
-def load_eagle(path: str) -> tuple[EagleConfig, dict, np.ndarray]:
-    """(EagleConfig, head params (numpy), vocab_map int32 [Vd]) from a ``save_eagle`` folder."""
+def load_eagle(path: str, dtype: Optional[str] = None) -> tuple[EagleConfig, dict, np.ndarray]:
+    """(EagleConfig, head params (numpy), vocab_map int32 [Vd]) from a ``save_eagle`` folder.
+
+    ``dtype`` (e.g. the target's ``cfg.dtype``): the config and params cast to it (heads are
+    trained and saved in float32); None keeps the saved dtype.
+    """
     from llmserve.checkpoint import restore_params
 
     meta_path = os.path.join(path, "eagle.json")
@@ -359,7 +367,12 @@ def load_eagle(path: str) -> tuple[EagleConfig, dict, np.ndarray]:
     ecfg = EagleConfig.from_dict(meta["config"])
     vocab_map = np.load(os.path.join(path, "vocab_map.npy")).astype(np.int32)
     check_vocab_map(vocab_map, ecfg)
-    return ecfg, restore_params(os.path.join(path, "params")), vocab_map
+    params = restore_params(os.path.join(path, "params"))
+    if dtype is not None:
+        ecfg = ecfg.replace(dtype=dtype)
+        params = jax.tree_util.tree_map(
+            lambda x: np.asarray(jnp.asarray(x, ecfg.jnp_dtype)), params)
+    return ecfg, params, vocab_map
 
 
 def check_vocab_map(vocab_map: np.ndarray, ecfg: EagleConfig) -> None:
