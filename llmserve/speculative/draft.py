@@ -100,7 +100,10 @@ def draft_propose(params, cache: PagedKVCache, tail: Array, q_start: Array, n_va
 
     init = (cache, tail.astype(jnp.int32), q_start.astype(jnp.int32),
             n_valid.astype(jnp.int32), counts)
-    (cache, *_), (toks, qs) = jax.lax.scan(step, init, jnp.arange(k, dtype=jnp.int32))
+    # Unrolled (K is small): as a while loop, XLA:CPU ran the bf16 steps ~3x slower
+    # (SmolLM2 dims, 2 layers, batch 1, K=4: 72 ms scanned vs 21 ms unrolled; f32: equal).
+    (cache, *_), (toks, qs) = jax.lax.scan(step, init, jnp.arange(k, dtype=jnp.int32),
+                                           unroll=True)
     tokens = jnp.moveaxis(toks, 0, 1)  # [B, K]
     probs = jnp.moveaxis(qs, 0, 1)  # [B, K, V]
     return DraftOutput(tokens=tokens, probs=probs), cache
