@@ -14,7 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
-# experiment -> (module to run, config file); train_lm/distill are scripts with a config too.
+# experiment -> (module to run, config file); train_lm/eagle/distill are scripts with a config.
 SMOKE = {
     "throughput": ("experiments.throughput", "throughput"),
     "speculative": ("experiments.speculative", "speculative"),
@@ -24,6 +24,7 @@ SMOKE = {
     "serving": ("experiments.serving", "serving"),
     "invariance": ("experiments.invariance", "invariance"),
     "train_lm": ("scripts.train_lm", "train_lm"),
+    "eagle": ("scripts.train_eagle", "eagle"),
     "soak": ("experiments.soak", "soak"),
     "sharding": ("experiments.sharding", "sharding"),
 }
@@ -62,8 +63,8 @@ def smoke_results(tmp_path_factory):
     env = dict(os.environ, LLMSERVE_RESULTS=str(root), JAX_PLATFORMS="cpu")
     for experiment, (module, config) in SMOKE.items():
         cmd = [sys.executable, "-m", module, f"--config=configs/{config}.py:smoke"]
-        if experiment == "train_lm":
-            cmd.append(f"--config.workdir={root / 'ckpt_train_lm'}")
+        if experiment in ("train_lm", "eagle"):
+            cmd.append(f"--config.workdir={root / ('ckpt_' + experiment)}")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=600)
         assert proc.returncode == 0, f"{experiment}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

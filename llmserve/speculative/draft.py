@@ -53,9 +53,10 @@ class DraftOutput:
     probs: Array  # [B, K, V] f32: q, the processed draft distribution each token came from
 
 
-def _draft_token(logits: Array, arrays: SamplingArrays, positions: Array,
+def draft_token(logits: Array, arrays: SamplingArrays, positions: Array,
                  counts: Optional[Array], prompt_mask: Optional[Array]):
-    """q = probs_from_logits(...) [B, V] and a token drawn from it with the draft stream."""
+    """q = probs_from_logits(...) [B, V] and a token drawn from it with the draft stream
+    (greedy rows: the argmax). Shared by the draft model and the EAGLE head."""
     q = sampling.probs_from_logits(logits, arrays, counts, prompt_mask)
     greedy = arrays.temperature < sampling.GREEDY_EPS
     drawn = sampling.draw_from_mass(q, tagged_uniforms(arrays.seed, positions, DRAFT_TAG))
@@ -91,7 +92,7 @@ def draft_propose(params, cache: PagedKVCache, tail: Array, q_start: Array, n_va
         cache, tokens, start, count, counts = carry
         logits, cache = _draft_forward(params, cache, tokens, start, count, block_tables,
                                        cfg=cfg, backend=backend)
-        tok, q = _draft_token(logits, arrays, pos0 + j, counts, prompt_mask)
+        tok, q = draft_token(logits, arrays, pos0 + j, counts, prompt_mask)
         if counts is not None:
             counts = sampling.update_counts(counts, tok, live)
         tokens = jnp.zeros_like(tokens).at[:, 0].set(tok)
@@ -99,7 +100,10 @@ def draft_propose(params, cache: PagedKVCache, tail: Array, q_start: Array, n_va
 
     init = (cache, tail.astype(jnp.int32), q_start.astype(jnp.int32),
             n_valid.astype(jnp.int32), counts)
-    (cache, *_), (toks, qs) = jax.lax.scan(step, init, jnp.arange(k, dtype=jnp.int32))
+    # Unrolled (K is small): as a while loop, XLA:CPU ran the bf16 steps ~3x slower
+    # (SmolLM2 dims, 2 layers, batch 1, K=4: 72 ms scanned vs 21 ms unrolled; f32: equal).
+    (cache, *_), (toks, qs) = jax.lax.scan(step, init, jnp.arange(k, dtype=jnp.int32),
+                                           unroll=True)
     tokens = jnp.moveaxis(toks, 0, 1)  # [B, K]
     probs = jnp.moveaxis(qs, 0, 1)  # [B, K, V]
     return DraftOutput(tokens=tokens, probs=probs), cache

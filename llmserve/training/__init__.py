@@ -8,6 +8,7 @@
 * ``loop``: ``train`` (tqdm, JSON-lines metrics, Orbax checkpoints, exact resume).
 * ``checkpoints``: ``TrainCheckpointer`` (state + data position).
 * ``acceptance``: greedy-draft acceptance against the target's own text.
+* ``eagle``: EAGLE draft-head training (target features, loss, step, chain acceptance).
 * ``bpe``: ``train_bpe_tokenizer``; ``prompts``: stdlib and chat prompt sources.
 * ``export``: ``save_model`` (Orbax params + Hugging Face directory).
 """
