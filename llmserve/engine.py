@@ -167,6 +167,16 @@ class Engine:
                 f"{config.max_model_len} ({pages_per_seq} pages of {config.page_size} + 1 dummy)")
         prefill_buckets = tuple((b, min(c, config.max_num_batched_tokens))
                                 for b, c in config.prefill_buckets)
+        eagle = None
+        spec = config.speculative_config
+        if spec is not None and dict(spec).get("method") == "eagle":
+            from llmserve.speculative.proposers import load_eagle_head
+
+            eagle = load_eagle_head(dict(spec)["model"], cfg.dtype)
+            if eagle[0].vocab_size != cfg.vocab_size or eagle[0].d_model != cfg.d_model:
+                raise ValueError(f"EAGLE head for vocab {eagle[0].vocab_size} / d_model "
+                                 f"{eagle[0].d_model} does not fit this model "
+                                 f"({cfg.vocab_size} / {cfg.d_model})")
         runner_cls = Runner
         if shardings is not None and shardings.multi_process:
             from llmserve.multihost import LeaderRunner as runner_cls  # broadcasts each call
@@ -175,7 +185,7 @@ class Engine:
             max_slots=config.max_num_seqs, max_model_len=config.max_model_len, backend=backend,
             num_logprobs=config.max_logprobs, decode_buckets=config.decode_buckets,
             prefill_buckets=prefill_buckets, mixed_decode_buckets=config.mixed_decode_buckets,
-            num_speculative_tokens=self._num_speculative_tokens(config),
+            num_speculative_tokens=self._num_speculative_tokens(config), eagle=eagle,
             batch_invariant=config.batch_invariant, shardings=shardings)
         self.blocks = BlockManager(num_pages, config.page_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
@@ -218,6 +228,9 @@ class Engine:
         if spec.method == "ngram":
             self.proposer = proposers.NgramLookup(spec.prompt_lookup_max, spec.prompt_lookup_min,
                                                   k)
+            return
+        if spec.method == "eagle":
+            self.proposer = proposers.EagleHeadProposer(k)
             return
         if isinstance(spec.model, (tuple, list)):
             dcfg, dparams = spec.model
@@ -403,7 +416,10 @@ class Engine:
 
     def _schedule(self) -> Plan:
         lookahead = self._lookahead()
-        plan = self.scheduler.schedule(lookahead, self.config.max_model_len)
+        # An EAGLE head drafts at the end of every step, writing D positions on: reserve them.
+        reserve = self.spec.num_speculative_tokens if (
+            self.spec is not None and self.spec.method == "eagle") else lookahead
+        plan = self.scheduler.schedule(reserve, self.config.max_model_len)
         plan.lookahead = lookahead
         self.stats["preemptions"] += len(plan.preempted)
         self._inflight = plan  # until its outputs are processed (see ``recover``)
@@ -417,13 +433,19 @@ class Engine:
         self.runner.copy_pages(plan.copies)
         if self.spec is not None:
             self.proposer.copy_pages(plan.copies)
-        self._init_penalty_rows(plan)
+        fresh = self._init_penalty_rows(plan)
         prefill = [self._row(c.seq, c.start, c.seq.all_ids[c.start:c.start + c.length],
                              c.final) for c in plan.prefill]
+        for c, row in zip(plan.prefill, prefill):
+            # An EAGLE head carries each slot's last feature from step to step: a sequence's
+            # later chunks continue from it, its first chunk after admission does not.
+            row.carry_feature = c.start > 0 and c.seq.seq_id not in fresh
         self._note_prefill(plan)
         verify = bool(plan.decode and plan.lookahead)
         decode = self._verify_rows(plan.decode) if verify else [
             self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True) for seq in plan.decode]
+        for row in decode:
+            row.carry_feature = True  # a running sequence's last feature is in its slot
         t0 = time.perf_counter()
         batch = self.runner.prepare(decode, prefill, verify=verify)
         self._count(batch, decode, prefill)
@@ -468,7 +490,7 @@ class Engine:
                     # The row's K/V is right for its last token and the n accepted drafts.
                     seq.num_computed += n + 1
                     ids = seq.all_ids + [int(t) for t in res.tokens[j, :n]]
-                    if verify:
+                    if self.spec is not None:  # slots reserved for drafts: give back the rest
                         self.blocks.truncate(seq.seq_id, seq.num_computed)
                     self.blocks.commit(seq.seq_id, ids, seq.num_computed)
                 for t in range(n + 1):
@@ -478,18 +500,22 @@ class Engine:
                                         zip(res.top_ids[j, t], res.top_logprobs[j, t]))
         return aborted + [self.outputs.output(r) for r in touched.values() if r is not None]
 
-    def _init_penalty_rows(self, plan: Plan) -> None:
+    def _init_penalty_rows(self, plan: Plan) -> set:
         """Fills the penalty statistics of sequences (re)admitted this step from their whole
-        token lists (prefix-cache hits and recomputes included), before their first step."""
+        token lists (prefix-cache hits and recomputes included), before their first step.
+        Returns the ids of the sequences (re)admitted this step."""
         rows = []
+        fresh = set()
         for c in plan.prefill:
             seq = c.seq
             if seq.admitted:
                 seq.admitted = False
+                fresh.add(seq.seq_id)
                 p = seq.params
                 if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
                     rows.append((seq.slot, seq.all_ids, len(seq.prompt_ids)))
         self.runner.init_sampler_rows(rows)
+        return fresh
 
     def _row(self, seq: Seq, start: int, tokens: list[int], emit: bool) -> ScheduledRow:
         """A sequence's row of this step, in the runner's terms."""

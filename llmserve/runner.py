@@ -65,7 +65,32 @@ class ScheduledRow:
     suppress_until: int = 0  # ... for this many sampled positions
     # In a verify step ``tokens`` is [last committed token, its drafts] (the draft tokens may be
     # placeholders that a draft model's device output replaces inside the step).
+    carry_feature: bool = False  # EAGLE: the slot holds this row's h_{start-1} (continuing)
 
+
+@flax.struct.dataclass
+class EagleState:
+    """An EAGLE head inside the step (``speculative/eagle.py``): its params, its one-layer
+    paged cache (the target's page ids) and the drafts it made for each slot at the end of the
+    slot's last step, which the slot's next verify step reads on the device."""
+
+    params: dict
+    vocab_map: Array  # [Vd] int32: draft vocabulary -> target ids
+    cache: PagedKVCache
+    drafts: Array  # [S + 1, D] int32: each slot's next drafts (target ids)
+    features: Array  # [S + 1, D_model] float32: each slot's last feature h_{L-1}
+
+
+@flax.struct.dataclass
+class HeadInput:
+    """Where the EAGLE head's input features come from. The head's input at position p is
+    (h_{p-1}, x_p), stored at p like the target's K/V: within a row h_{p-1} is the target's
+    hidden state of the token before; a row's first token takes its slot's carried feature
+    (the last step's), or zero at position 0 and after (re)admission."""
+
+    prev: Array  # [N] int32: flat index of the token before in the same row, else -1
+    first_row: Array  # [N] int32: the row whose first token this is, else -1
+    carry: Array  # [R] bool: the slot's carried feature is this row's h_{start-1}
 
 @flax.struct.dataclass
 class StepInput:
@@ -90,6 +115,7 @@ class StepInput:
     sampling: sampling.SamplingArrays  # [R] per-row parameters
     num_draft: Array  # [R] int32: drafts a verify row carries (0 elsewhere)
     per_token: Optional[PartMetadata] = None  # batch-invariant mode: one query per token
+    head: Optional[HeadInput] = None  # an EAGLE head runs inside the step
     verify: bool = flax.struct.field(pytree_node=False, default=False)  # parts[0] verifies
 
     def metadata(self) -> RaggedMetadata:
@@ -122,18 +148,22 @@ def suppress(logits: Array, inp: StepInput) -> Array:
 
 
 def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, backend: str,
-            logits_index: Optional[Array] = None, min_rows: int = 1):
+            logits_index: Optional[Array] = None, min_rows: int = 1,
+            return_hidden: bool = False):
     """The model over a step's flat tokens -> (logits [R, V] at ``logits_index``, default
     ``sample_index``; cache). ``min_rows`` pads the vocabulary projection to at least that many
     rows (batch-invariant mode: the matmul's numerics then never depend on R)."""
     index = inp.sample_index if logits_index is None else logits_index
     r = index.shape[0]
     index = jnp.pad(index, (0, max(0, min_rows - r)))
-    logits, cache = Transformer(cfg).apply({"params": params}, inp.tokens[None],
-                                           inp.metadata(), cache, backend=backend,
-                                           logits_index=index[None])
+    out = Transformer(cfg).apply({"params": params}, inp.tokens[None], inp.metadata(), cache,
+                                 backend=backend, logits_index=index[None],
+                                 return_hidden="all" if return_hidden else False)
+    logits, cache = out[:2]
     if cache.shardings is not None:  # vocab-split logits: gathered once, sampled locally
         logits = cache.shardings.gather_logits(logits, cfg.vocab_size)
+    if return_hidden:
+        return logits[0, :r], cache, out[2][0]  # hidden [N, D]
     return logits[0, :r], cache
 
 
@@ -148,8 +178,9 @@ def _top_logprobs(logits: Array, num_logprobs: int) -> tuple[Array, Array]:
 
 
 def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
-          drafts: Optional[Array] = None, draft_probs: Optional[Array] = None, *,
-          cfg: ModelConfig, backend: str, num_logprobs: int, min_rows: int = 1):
+          drafts: Optional[Array] = None, draft_probs: Optional[Array] = None,
+          eagle: Optional[EagleState] = None, *, cfg: ModelConfig, backend: str,
+          num_logprobs: int, min_rows: int = 1, eagle_cfg=None):
     """One engine step: decode rows, prefill chunks and (``inp.verify``) verify rows at once.
 
     Verify rows [Bv, 1 + D] carry [last committed token, D drafts]; the drafts are already in
@@ -158,14 +189,22 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
     forward over the flat tokens; the pure verifier keeps the longest accepted prefix plus one
     target token. K/V written for rejected drafts is never read: attention stops at each
     sequence's length and the next step overwrites it. The other rows sample as usual.
+
+    With an EAGLE head (``eagle``), the step also runs the head over its tokens (the target's
+    last hidden states paired with each next token) and drafts D tokens for every row that
+    emitted, from its newest token; a slot's next verify step reads them here on the device.
     """
+    hidden = None
+    if eagle is not None and inp.verify:
+        drafts = eagle.drafts[inp.slot_ids[: inp.parts[0].block_tables.shape[0]]]
     # A sequence's sampler row was filled from its tokens when it was (re)admitted
     # (``init_sampler_rows``); each step only adds the tokens it emits.
     counts = sstate.counts[inp.slot_ids]
     pmask = sstate.prompt_mask[inp.slot_ids]
     r = inp.sample_index.shape[0]
     if not inp.verify:
-        logits, cache = forward(params, cache, inp, cfg=cfg, backend=backend, min_rows=min_rows)
+        logits, cache, *hidden = forward(params, cache, inp, cfg=cfg, backend=backend,
+                                         min_rows=min_rows, return_hidden=eagle is not None)
         logits = suppress(logits[:, None], inp)[:, 0]  # [R, V]
         out = sampling.sample(logits, inp.sampling, inp.sample_pos, counts, pmask,
                               num_logprobs=num_logprobs)
@@ -180,8 +219,9 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
             rows = inp.tokens[: bv * w].reshape(bv, w).at[:, 1:].set(drafts.astype(jnp.int32))
             inp = inp.replace(tokens=jnp.concatenate([rows.reshape(-1), inp.tokens[bv * w:]]))
         index = jnp.concatenate([jnp.arange(bv * w, dtype=jnp.int32), inp.sample_index[bv:]])
-        logits, cache = forward(params, cache, inp, cfg=cfg, backend=backend,
-                                logits_index=index, min_rows=min_rows)
+        logits, cache, *hidden = forward(params, cache, inp, cfg=cfg, backend=backend,
+                                         logits_index=index, min_rows=min_rows,
+                                         return_hidden=eagle is not None)
         v = logits.shape[-1]
         head = lambda x: jax.tree_util.tree_map(lambda a: a[:bv], x)  # noqa: E731
         tail = lambda x: jax.tree_util.tree_map(lambda a: a[bv:], x)  # noqa: E731
@@ -208,13 +248,63 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
             top_logprobs=jnp.concatenate([top_lp, pad(out.top_logprobs, 0.0)]),
             num_accepted=jnp.concatenate([ver.num_accepted, jnp.zeros(r - bv, jnp.int32)]))
     sstate = sstate.replace(counts=sstate.counts.at[inp.slot_ids].set(counts))
+    if eagle is not None:
+        eagle = _eagle_after_step(params, eagle, inp, hidden[0], result, eagle_cfg, backend)
+        return result, cache, sstate, eagle
     return result, cache, sstate
+
+
+def _eagle_after_step(params, eagle: EagleState, inp: StepInput, hidden: Array,
+                      result: StepOutput, ecfg, backend: str) -> EagleState:
+    """The EAGLE head's share of a step: write its cache for the step's tokens, then draft.
+
+    hidden [N, D]: the target's features of the step's flat tokens. The head's input at
+    token i (position p) is (h_{p-1}, x_p) (``HeadInput``), stored at p with the target's own
+    metadata. Then every emitting row drafts D tokens from its newest token x_L, i.e. from
+    (h_{L-1}, x_L) at position L, where h_{L-1} is the hidden state of the row's last kept
+    token (a verify row's last accepted one). Greedy rows draft the head's argmax, sampled rows
+    draw from it; the verifier treats drafts as point masses, which keeps sampled output
+    exactly the target's (accept x with probability p(x), else draw from p without x: a draw
+    from p whatever x was).
+    """
+    from llmserve.speculative import eagle as eagle_lib
+
+    n = inp.tokens.shape[0]
+    head = inp.head
+    embed, norm = params["embed"], params["final_norm"]
+    tokens = inp.tokens
+    last = inp.sample_index  # [R]: flat index of each row's last kept token
+    if inp.verify:
+        part = inp.parts[0]
+        bv, w = part.block_tables.shape[0], part.t
+        drafts = jnp.maximum(result.tokens[:bv, : w - 1], 0)  # accepted drafts are the tokens
+        tokens = tokens.at[: bv * w].set(jnp.concatenate(
+            [tokens[: bv * w].reshape(bv, w)[:, :1], drafts], axis=1).reshape(-1))
+        last = last.at[:bv].set(jnp.arange(bv) * w + result.num_accepted[:bv])
+    row = jnp.maximum(head.first_row, 0)
+    carried = jnp.where(head.carry[row, None], eagle.features[inp.slot_ids[row]], 0.0)
+    feats = jnp.where((head.prev >= 0)[:, None], hidden[jnp.maximum(head.prev, 0)],
+                      jnp.where((head.first_row >= 0)[:, None], carried, 0.0))  # [N, D]
+    _, hcache = eagle_lib._run_head(eagle.params, embed, eagle.cache, feats[None], tokens[None],
+                                    inp.metadata(), ecfg, backend)
+    # Each emitting row drafts from (h_{L-1}, x_L) at position L.
+    tables = jnp.concatenate([p.block_tables for p in inp.parts])  # [R, M]
+    feat = hidden[jnp.clip(last, 0, n - 1)]  # [R, D]: h_{L-1}
+    emitted = jnp.take_along_axis(result.tokens, result.num_accepted[:, None], axis=1)[:, 0]
+    pos = jnp.where(inp.emit, inp.positions[jnp.clip(last, 0, n - 1)] + 1, 0)
+    out, hcache = eagle_lib.eagle_propose(
+        eagle.params, embed, norm, eagle.vocab_map, hcache, feat[:, None], emitted[:, None],
+        pos, inp.emit.astype(jnp.int32), tables, inp.sampling, ecfg=ecfg,
+        num_draft=eagle.drafts.shape[1], backend=backend, with_probs=False)
+    return eagle.replace(cache=hcache, drafts=eagle.drafts.at[inp.slot_ids].set(out.tokens),
+                         features=eagle.features.at[inp.slot_ids].set(feat))
 
 
 # Module-level jits with static config: every Runner of the same model and shapes shares one
 # compile cache (tests build many engines; a server builds one).
-_jit_step = jax.jit(_step, static_argnames=("cfg", "backend", "num_logprobs", "min_rows"),
-                    donate_argnames=("cache", "sstate"))
+_jit_step = jax.jit(_step, static_argnames=("cfg", "backend", "num_logprobs", "min_rows",
+                                            "eagle_cfg"),
+                    donate_argnames=("cache", "sstate", "eagle"))
 
 
 def invariant_min_rows(dtype: str) -> int:
@@ -270,7 +360,7 @@ class Runner:
                  prefill_buckets: Sequence[tuple[int, int]] = ((1, 128),),
                  mixed_decode_buckets: Sequence[int] | None = None,
                  num_speculative_tokens: int = 0,
-                 verify_buckets: Sequence[int] | None = None,
+                 verify_buckets: Sequence[int] | None = None, eagle=None,
                  batch_invariant: bool = False, shardings=None):
         # ``shardings`` (llmserve.sharding.Shardings, or None for one device): the mesh this
         # runner's params and cache are split over; the jitted step follows their shardings.
@@ -305,6 +395,21 @@ class Runner:
                                     | set(self.decode_buckets))
         self.verify_buckets = sorted(verify_buckets) if num_speculative_tokens else []
         self.backend = backend
+        # ``eagle``: (EagleConfig, head params, vocab_map): the head runs inside every step.
+        self.eagle_cfg = self.eagle = None
+        if eagle is not None:
+            from llmserve.speculative import eagle as eagle_lib
+
+            ecfg, head_params, vocab_map = eagle
+            if not num_speculative_tokens:
+                raise ValueError("an EAGLE head needs num_speculative_tokens >= 1")
+            self.eagle_cfg = ecfg
+            self.eagle = self.put(EagleState(
+                params=jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), head_params),
+                vocab_map=jnp.asarray(vocab_map, jnp.int32),
+                cache=eagle_lib.create_cache(ecfg, num_pages, page_size),
+                drafts=jnp.zeros((max_slots + 1, num_speculative_tokens), jnp.int32),
+                features=jnp.zeros((max_slots + 1, cfg.d_model), jnp.float32)))
         self.batch_invariant = batch_invariant
         self.min_rows = invariant_min_rows(cfg.dtype) if batch_invariant else 1
 
@@ -390,6 +495,11 @@ class Runner:
         suppress_ids = np.full((r, MAX_SUPPRESS_IDS), v, np.int32)
         suppress_until = np.zeros(r, np.int32)
         num_draft = np.zeros(r, np.int32)
+        head = self.eagle is not None
+        if head:  # where the EAGLE head's input features come from
+            prev = np.full(n, -1, np.int32)
+            first_row = np.full(n, -1, np.int32)
+            carry = np.zeros(r, bool)
         rows_sampling: list[dict] = [{} for _ in range(r)]
         metas = []
         off = row = 0
@@ -417,6 +527,10 @@ class Runner:
                 suppress_ids[j, : len(spec.suppress_ids)] = spec.suppress_ids
                 suppress_until[j] = spec.suppress_until
                 rows_sampling[j] = spec.sampling
+                if head:
+                    prev[base + 1:base + k] = np.arange(base, base + k - 1)
+                    first_row[base] = j
+                    carry[j] = spec.carry_feature
             for i in range(len(rows), b):  # padding rows sample from their own (dummy) token
                 sample_index[row + i] = off + i * t
             metas.append(PartMetadata(q_start=q_start, lengths=lengths, block_tables=tables,
@@ -425,12 +539,13 @@ class Runner:
             row += b
         per_token = self._per_token(metas, positions, write_page) \
             if self.batch_invariant else None
+        head_input = HeadInput(prev=prev, first_row=first_row, carry=carry) if head else None
         return StepInput(tokens=tokens, positions=positions, write_page=write_page,
                          write_offset=write_offset, parts=tuple(metas), per_token=per_token,
                          sample_index=sample_index, sample_pos=sample_pos, slot_ids=slot_ids,
                          emit=emit, suppress_ids=suppress_ids, suppress_until=suppress_until,
                          sampling=sampling.SamplingArrays.from_lists(rows_sampling, xp=np),
-                         num_draft=num_draft, verify=verify)
+                         num_draft=num_draft, head=head_input, verify=verify)
 
     def _per_token(self, metas, positions: np.ndarray, write_page: np.ndarray) -> PartMetadata:
         """Batch-invariant attention metadata: each real token is a one-token query of its
@@ -456,11 +571,15 @@ class Runner:
         verify step (n-gram drafts are already in the batch's tokens; probs None = point mass).
         """
         inp = self.put(batch)
-        out, self.cache, self.sstate = _jit_step(self.params, self.cache, self.sstate, inp,
-                                                 drafts, draft_probs, cfg=self.cfg,
-                                                 backend=self.backend,
-                                                 num_logprobs=self.num_logprobs,
-                                                 min_rows=self.min_rows)
+        if self.eagle is not None:
+            out, self.cache, self.sstate, self.eagle = _jit_step(
+                self.params, self.cache, self.sstate, inp, None, None, self.eagle,
+                cfg=self.cfg, backend=self.backend, num_logprobs=self.num_logprobs,
+                min_rows=self.min_rows, eagle_cfg=self.eagle_cfg)
+        else:
+            out, self.cache, self.sstate = _jit_step(
+                self.params, self.cache, self.sstate, inp, drafts, draft_probs, cfg=self.cfg,
+                backend=self.backend, num_logprobs=self.num_logprobs, min_rows=self.min_rows)
         return out if self.shardings is None else self.shardings.local(out)
 
     def put(self, tree):
@@ -480,7 +599,10 @@ class Runner:
         """Copy-on-write: duplicates page src into dst for each pair (padded to a bucket)."""
         if not pairs:
             return
-        self.cache = copy_cache_pages(self.cache, *self.put(padded_page_pairs(pairs)))
+        src_dst = self.put(padded_page_pairs(pairs))
+        self.cache = copy_cache_pages(self.cache, *src_dst)
+        if self.eagle is not None:  # the head's cache follows the same pages
+            self.eagle = self.eagle.replace(cache=copy_cache_pages(self.eagle.cache, *src_dst))
 
     def init_sampler_rows(self, rows: Sequence[tuple[int, Sequence[int], int]]) -> None:
         """Fills the penalty rows of (re)admitted sequences from their tokens.
@@ -512,6 +634,13 @@ class Runner:
         else:
             self.cache = self.shardings.create_cache(self.cfg, num_pages, self.page_size)
             self.sstate = self.shardings.replicate(sstate)
+        if self.eagle is not None:
+            from llmserve.speculative import eagle as eagle_lib
+
+            self.eagle = self.put(self.eagle.replace(
+                cache=eagle_lib.create_cache(self.eagle_cfg, num_pages, self.page_size),
+                drafts=jnp.zeros(self.eagle.drafts.shape, jnp.int32),
+                features=jnp.zeros(self.eagle.features.shape, jnp.float32)))
 
     def warmup(self, device_drafts: bool = False) -> None:
         """Compiles every step shape once (all rows padding: writes go to the dummy page).

@@ -214,3 +214,106 @@ def test_top_logprobs_under_speculation_equal_plain(tiny, method):
             assert len(pg) >= 2 and set(pg) == set(pw)
             for tok in pw:
                 assert abs(pg[tok] - pw[tok]) < 1e-5
+
+
+def _random_head(cfg, vd=None, seed=0):
+    from llmserve.speculative import eagle
+
+    ecfg = eagle.EagleConfig.from_target(cfg, vd or cfg.vocab_size)
+    vocab_map = np.sort(np.random.default_rng(seed).choice(cfg.vocab_size, ecfg.draft_vocab_size,
+                                                           replace=False)).astype(np.int32)
+    return ecfg, eagle.init_head_params(ecfg, seed=seed), vocab_map
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_eagle_head_in_the_step_greedy_identical(tiny, adaptive):
+    """An EAGLE head runs inside the one jitted step (one call per engine step, nothing
+    recompiles): greedy output equals plain decoding, with prefill beside verify rows."""
+    from llmserve import runner as runner_mod
+
+    cfg, params = tiny
+    prompts, lens = repetitive_workload(cfg, 10, seed=11)
+    sps = [SamplingParams(temperature=0, max_tokens=n + 6, ignore_eos=True) for n in lens]
+    want = run_all(make_engine(cfg, params), prompts, sps)
+    eng = make_engine(cfg, params, max_num_seqs=4, speculative_config={
+        "method": "eagle", "model": _random_head(cfg, vd=cfg.vocab_size // 2),
+        "num_speculative_tokens": 3, "adaptive": adaptive})
+    compiles = eng.runner.num_compilations()
+    calls, real = [], runner_mod._jit_step
+
+    def counted(*args, **kw):
+        calls.append(args[3].verify)
+        return real(*args, **kw)
+
+    runner_mod._jit_step = counted
+    try:
+        got = run_all(eng, prompts, sps)
+    finally:
+        runner_mod._jit_step = real
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert len(calls) == eng.stats["steps"]
+    assert eng.runner.num_compilations() == compiles
+    if not adaptive:
+        assert eng.stats["spec_proposed"] > 0 and any(calls)
+    assert eng.blocks.all_free()
+
+
+def test_eagle_head_drafts_follow_the_head():
+    """The drafts the step leaves for a slot are the head's own chain: a head whose draft
+    vocabulary is one token always proposes that token."""
+    cfg = preset("tiny-9-3")
+    params = init_params(cfg, seed=5)
+    ecfg, head, _ = _random_head(cfg, vd=1)
+    tok = 7
+    eng = make_engine(cfg, params, speculative_config={
+        "method": "eagle", "model": (ecfg, head, np.asarray([tok], np.int32)),
+        "num_speculative_tokens": 2, "adaptive": False})
+    eng.add_request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=12,
+                                                         ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    drafts = np.asarray(eng.runner.eagle.drafts)  # [slots + 1, D]
+    assert (drafts == tok).all(axis=1).any()  # the request's slot holds the head's chain
+    assert set(np.unique(drafts)) <= {0, tok}  # unused slots were never written
+    assert eng.stats["spec_proposed"] > 0
+
+
+def test_eagle_drafts_in_the_engine_equal_the_training_forward(tiny):
+    """After every step, a slot's drafts are the head's chain from the sequence's newest
+    token, as the training-time (dense, whole-sequence) forward computes it from the target's
+    features: the head's cache and the carried features follow the sequence exactly, through
+    prompt chunks, plain decode steps and verify steps."""
+    import jax.numpy as jnp
+
+    from llmserve.kv_cache import AttentionMetadata, DenseKVCache
+    from llmserve.model import Transformer
+    from llmserve.speculative import eagle
+
+    cfg, params = tiny
+    ecfg, head, vocab_map = _random_head(cfg, vd=cfg.vocab_size // 4, seed=3)
+    eng = make_engine(cfg, params, max_num_batched_tokens=8, speculative_config={
+        "method": "eagle", "model": (ecfg, head, vocab_map), "num_speculative_tokens": 2})
+    turns = iter([True, False] * 1000)  # verify steps and plain decode steps alternate
+    eng.policy.speculate = lambda *a: next(turns)
+    prompt = (np.arange(3, 22) * 7 % cfg.vocab_size).tolist()  # 19 tokens: 3 chunks of <= 8
+    eng.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    seen = []  # (tokens so far, the slot's draft 0) after each step that emitted
+    while eng.has_unfinished_requests():
+        eng.step()
+        seq = next(iter(eng.requests.values())).seqs[0] if eng.requests else None
+        if seq is not None and seq.output_ids:
+            seen.append((list(seq.all_ids), int(np.asarray(eng.runner.eagle.drafts)[seq.slot,
+                                                                                      0])))
+    tokens = seen[-1][0]
+    t = len(tokens)
+    meta = AttentionMetadata.for_dense(jnp.arange(t, dtype=jnp.int32)[None],
+                                       jnp.full((1,), t, jnp.int32))
+    _, _, hidden = Transformer(cfg).apply({"params": params}, jnp.asarray([tokens]), meta,
+                                          DenseKVCache.create(cfg, 1, t), backend="reference",
+                                          return_hidden="all")
+    feats = jnp.concatenate([jnp.zeros((1, 1, cfg.d_model)), hidden[:, :-1]], axis=1)
+    _, logits = eagle.eagle_forward_dense(head, params["embed"], params["final_norm"],
+                                          vocab_map, feats, jnp.asarray([tokens]), ecfg=ecfg)
+    want = vocab_map[np.asarray(jnp.argmax(logits[0], -1))]  # draft after x_q, at q
+    matches = [d == want[len(ids) - 1] for ids, d in seen]
+    assert len(matches) >= 10 and sum(matches) >= 0.9 * len(matches), matches

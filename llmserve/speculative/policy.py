@@ -8,7 +8,9 @@ from typing import Any
 
 @dataclasses.dataclass
 class SpeculativeConfig:
-    """vLLM-style ``speculative_config``: method "ngram" or "draft", K, and the draft model."""
+    """vLLM-style ``speculative_config``: method "ngram", "draft" (a small model) or "eagle"
+    (an EAGLE head, ``scripts/train_eagle.py``), D = num_speculative_tokens, and the model: a
+    path, or (ModelConfig, params) for a draft / (EagleConfig, params, vocab_map) for a head."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -26,12 +28,13 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
         cfg = cls(**d)
-        if cfg.method not in ("ngram", "draft"):
-            raise ValueError(f"speculative_config.method={cfg.method!r}: use 'ngram' or 'draft'")
+        if cfg.method not in ("ngram", "draft", "eagle"):
+            raise ValueError(f"speculative_config.method={cfg.method!r}: use 'ngram', 'draft' "
+                             "or 'eagle'")
         if not 1 <= cfg.num_speculative_tokens <= 16:
             raise ValueError("speculative_config.num_speculative_tokens must be in [1, 16]")
-        if cfg.method == "draft" and cfg.model is None:
-            raise ValueError("speculative_config: method 'draft' needs 'model'")
+        if cfg.method in ("draft", "eagle") and cfg.model is None:
+            raise ValueError(f"speculative_config: method {cfg.method!r} needs 'model'")
         return cfg
 
 

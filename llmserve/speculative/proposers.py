@@ -116,6 +116,55 @@ class NgramLookup:
         pass
 
 
+class EagleHeadProposer:
+    """An EAGLE head (``speculative/eagle.py``) behind the protocol. The head runs inside the
+    runner's step (``Runner(eagle=...)``): it reads the target's hidden states there, keeps its
+    own cache on the target's pages, and leaves each slot's next drafts on the device, where
+    the slot's next verify step picks them up. So the host only says how many drafts each row
+    carries, and a step is ONE device call whatever it holds."""
+
+    device_drafts = False
+
+    def __init__(self, num_speculative_tokens: int):
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def propose(self, seqs: Sequence, room: np.ndarray) -> Proposal:
+        return Proposal(num_draft=np.asarray(room[: len(seqs)], np.int32))
+
+    def drafts(self, seqs, batch):
+        return None, None  # read from the runner's EagleState inside the step
+
+    def prefill(self, batch, part, chunks) -> None:
+        pass
+
+    def copy_pages(self, pairs) -> None:
+        pass  # the runner copies the head's pages with the target's
+
+    def accepted(self, seqs, num_accepted) -> None:
+        pass
+
+    def forget(self, seq_id: int) -> None:
+        pass
+
+    def warmup(self, runner) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def load_eagle_head(model, dtype: str):
+    """(EagleConfig, head params, vocab_map) from a ``save_eagle`` folder or given as a tuple."""
+    if isinstance(model, (tuple, list)):
+        if len(model) != 3:
+            raise ValueError("speculative_config.model for 'eagle': a folder, or "
+                             "(EagleConfig, head params, vocab_map)")
+        return tuple(model)
+    from llmserve.speculative.eagle import load_eagle
+
+    return load_eagle(str(model), dtype=dtype)
+
+
 class DraftModelProposer:
     """A small llmserve model as the proposer; owns its paged KV cache (target's page ids).
 
