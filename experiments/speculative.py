@@ -289,6 +289,7 @@ def serve(engine, prompts: list[Prompt], params, tag: str) -> dict:
     rids = [engine.add_request(f"{tag}-{i}", list(p.ids), params) for i, p in enumerate(prompts)]
     count = dict.fromkeys(rids, 0)
     final: dict[str, list[int]] = {}
+    gaps: dict[str, list[float]] = {}  # per request: top-2 logprob gap at each position
     window: Optional[tuple[float, int]] = None  # (start time, tokens at start)
     steps: list[tuple[float, bool]] = []
     while engine.has_unfinished_requests():
@@ -302,12 +303,35 @@ def serve(engine, prompts: list[Prompt], params, tag: str) -> dict:
             count[out.request_id] = len(out.outputs[0].token_ids)
             if out.finished:
                 final[out.request_id] = list(out.outputs[0].token_ids)
+                gaps[out.request_id] = [_top2_gap(lp) for lp in out.outputs[0].logprobs or []]
         if window is None and all(count.values()):
             window = (time.perf_counter(), sum(count.values()))
     wall = time.perf_counter() - window[0]
     tokens = sum(count.values()) - window[1]
     return {"tok_s": tokens / wall if wall > 0 else None, "tokens": tokens, "wall_s": wall,
-            "steps": steps, "token_ids": [final[r] for r in rids]}
+            "steps": steps, "token_ids": [final[r] for r in rids],
+            "top2_gaps": [gaps.get(r, []) for r in rids]}
+
+
+def _top2_gap(entry: dict) -> float:
+    """The gap between the two largest logprobs of one position (inf if fewer than two)."""
+    top = sorted(entry.values(), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
+def near_tie_divergences(plain: dict, spec: dict, tol: float) -> tuple[int, list[float]]:
+    """(requests whose tokens differ NOT at a near-tie, the plain run's top-2 gaps at each
+    first divergence). bf16 rows of a verify step round differently from a decode step's, so
+    greedy output may split where the two best tokens are within rounding of each other."""
+    hard, at = 0, []
+    for a, b, gaps in zip(plain["token_ids"], spec["token_ids"], plain["top2_gaps"]):
+        if a == b:
+            continue
+        i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        gap = gaps[i] if i < len(gaps) else float("inf")
+        at.append(gap)
+        hard += gap >= tol
+    return hard, at
 
 
 def _median(values) -> Optional[float]:
@@ -352,7 +376,10 @@ def measure(cfg, models: dict, workload: str, methods: list[str], batch: int,
         warm = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         for name, engine in engines.items():
             serve(engine, plan[0], warm, f"warm-{name}")
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # logprobs=2: the top-2 gap tells a bf16 near-tie split from a real divergence (the step
+    # computes the engine's top-N logprobs whether a request asks or not).
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=2)
     compiled = {n: _compilations(e) for n, e in engines.items()}
     names = ["plain"] + [n for n in engines if n != "plain"]
     runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -384,6 +411,7 @@ def variant_row(cfg, workload: str, name: str, batch: int, max_tokens: int, plai
     speedups = [s["tok_s"] / b["tok_s"] for b, s in zip(plain, spec)]
     same = [a == b for bp, sp in zip(plain, spec)
             for a, b in zip(bp["token_ids"], sp["token_ids"])]
+    ties = [near_tie_divergences(b, s, cfg.near_tie) for b, s in zip(plain, spec)]
     ratios, verify_fracs = [], []
     for b, s in zip(plain, spec):
         t_decode = _median(dt for dt, _ in b["steps"])
@@ -402,6 +430,9 @@ def variant_row(cfg, workload: str, name: str, batch: int, max_tokens: int, plai
         "plain_tok_s": common.spread([b["tok_s"] for b in plain]),
         "spec_tok_s": common.spread([s["tok_s"] for s in spec]),
         "identical": all(same), "greedy_equal": {"requests": len(same), "identical": sum(same)},
+        # Divergences where plain decoding's top-2 logprob gap was >= near_tie: real ones.
+        "identical_up_to_near_ties": not any(h for h, _ in ties),
+        "divergence_top2_gaps": [g for _, gs in ties for g in gs],
         "acceptance_rate": metrics.get("acceptance_rate"),
         "mean_accepted_length": metrics.get("mean_accepted_length"),
         "acceptance_per_position": metrics.get("acceptance_per_position"),
@@ -438,7 +469,8 @@ def report(rows: list[dict]) -> str:
             f"{s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]",
             f"{r['plain_tok_s']['median']:.1f}", f"{r['spec_tok_s']['median']:.1f}",
             "yes" if r["identical"] else
-            f"NO ({r['greedy_equal']['identical']}/{r['greedy_equal']['requests']})",
+            f"{r['greedy_equal']['identical']}/{r['greedy_equal']['requests']}"
+            + (" (rest: near-ties)" if r["identical_up_to_near_ties"] else " NO"),
             _f(r["mean_accepted_length"], ".2f"), _positions(r["acceptance_per_position"]),
             _f(r["verify_decode_cost"], ".2f"), _f(r["verify_step_fraction"], ".0%")])
     headers = ["workload", "method", "adaptive", "batch", "pairs",
@@ -475,7 +507,14 @@ def notes(cfg, models: dict, rows: list[dict], prompts: dict, skipped: dict,
            f"{sum(p.held_out for p in prompts.get(CHAT, []))} include questions the draft "
            "trained on (held_out_prompts in the JSON)"]
     out += list(skipped.values())
-    bad = [r for r in rows if not r["identical"]]
+    ties = [r for r in rows if not r["identical"] and r["identical_up_to_near_ties"]]
+    if ties:
+        out.append(f"greedy output split at bf16 near-ties (plain top-2 logprob gap < "
+                   f"{cfg.near_tie}) in: " + ", ".join(
+                       f"{r['method']} batch {r['batch']} (gaps "
+                       + ", ".join(f"{g:.3f}" for g in r["divergence_top2_gaps"]) + ")"
+                       for r in ties))
+    bad = [r for r in rows if not r["identical_up_to_near_ties"]]
     if bad:
         out.append("GREEDY OUTPUT DIFFERS from plain decoding in: " + ", ".join(
             f"{r['method']} adaptive={'on' if r['adaptive'] else 'off'} batch {r['batch']}"
@@ -602,7 +641,7 @@ def main(argv) -> None:
                            for v in ("type hints", "docstring")}, table=table,
         skipped=skipped, total_s=time.perf_counter() - t_all)
     print(f"\nwrote {path} and {png} ({time.perf_counter() - t_all:.0f} s in all)")
-    if cfg.fail_on_mismatch and not all(r["identical"] for r in rows):
+    if cfg.fail_on_mismatch and not all(r["identical_up_to_near_ties"] for r in rows):
         raise SystemExit("greedy output differs from plain decoding (see the notes)")
 
 

@@ -49,8 +49,8 @@ def draft_prefill(params, cache: PagedKVCache, tokens: Array, q_start: Array, n_
 
 @flax.struct.dataclass
 class DraftOutput:
-    tokens: Array  # [B, K] i32
-    probs: Array  # [B, K, V] f32: q, the processed draft distribution each token came from
+    tokens: Array  # [B, R] i32
+    probs: Array  # [B, R, V] f32: q, the processed draft distribution each token came from
 
 
 def draft_token(logits: Array, arrays: SamplingArrays, positions: Array,
@@ -69,7 +69,7 @@ def draft_propose(params, cache: PagedKVCache, tail: Array, q_start: Array, n_va
                   block_tables: Array, arrays: SamplingArrays,
                   output_counts: Optional[Array] = None, prompt_mask: Optional[Array] = None,
                   *, cfg: ModelConfig, k: int, backend: str = "xla"):
-    """K draft tokens per row from a small model, in one jit (a lax.scan of decode steps).
+    """R (``k``) draft tokens per row from a small model, in one jit (a lax.scan of decode steps).
 
     params / cache: the draft model's parameters and its ``PagedKVCache`` (donated), addressed
     by the TARGET's block_tables [B, M] (the draft cache has the target's page count and size).
@@ -77,8 +77,8 @@ def draft_propose(params, cache: PagedKVCache, tail: Array, q_start: Array, n_va
     real; 0 = padding row, which writes only the dummy page); draft 0 sits at q_start + n_valid.
     arrays [B]: the requests' SamplingArrays. Greedy rows draft greedily; the others draw from
     q = sampling.probs_from_logits(draft logits, arrays, counts + earlier drafts, prompt_mask)
-    with key fold_in(request_keys(seed, position), draft tag). Drafts 0..K-2 enter the cache.
-    Returns (DraftOutput(tokens [B, K] i32, probs [B, K, V] f32), cache).
+    with key fold_in(request_keys(seed, position), draft tag). Drafts 0..R-2 enter the cache.
+    Returns (DraftOutput(tokens [B, R] i32, probs [B, R, V] f32), cache).
     """
     live = n_valid > 0  # [B]
     pos0 = (q_start + n_valid).astype(jnp.int32)  # [B]: where draft 0 sits
@@ -100,10 +100,10 @@ def draft_propose(params, cache: PagedKVCache, tail: Array, q_start: Array, n_va
 
     init = (cache, tail.astype(jnp.int32), q_start.astype(jnp.int32),
             n_valid.astype(jnp.int32), counts)
-    # Unrolled (K is small): as a while loop, XLA:CPU ran the bf16 steps ~3x slower
-    # (SmolLM2 dims, 2 layers, batch 1, K=4: 72 ms scanned vs 21 ms unrolled; f32: equal).
+    # Unrolled (R is small): as a while loop, XLA:CPU ran the bf16 steps ~3x slower
+    # (SmolLM2 dims, 2 layers, batch 1, R=4: 72 ms scanned vs 21 ms unrolled; f32: equal).
     (cache, *_), (toks, qs) = jax.lax.scan(step, init, jnp.arange(k, dtype=jnp.int32),
                                            unroll=True)
-    tokens = jnp.moveaxis(toks, 0, 1)  # [B, K]
-    probs = jnp.moveaxis(qs, 0, 1)  # [B, K, V]
+    tokens = jnp.moveaxis(toks, 0, 1)  # [B, R]
+    probs = jnp.moveaxis(qs, 0, 1)  # [B, R, V]
     return DraftOutput(tokens=tokens, probs=probs), cache

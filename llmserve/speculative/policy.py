@@ -39,10 +39,10 @@ class SpeculativeConfig:
 
 
 class SpeculationPolicy:
-    """Decides per step whether to verify K drafts or decode one token, so it is never slower.
+    """Decides per step whether to verify R drafts or decode one token, so it is never slower.
 
     Rule: each request keeps an EMA ``a`` of its per-token acceptance rate (prior 0.6). A row
-    with K drafts is expected to emit 1 + a + a^2 + ... + a^K tokens. A step speculates when
+    with R drafts is expected to emit 1 + a + a^2 + ... + a^R tokens. A step speculates when
     (expected tokens of all rows) / t_verify > rows / t_decode, with both step times measured
     (EMA per batch bucket, seeded at warm-up). A request whose EMA falls below ``min_rate``
     after ``min_steps`` verify steps stops proposing (its rows then carry 0 drafts).

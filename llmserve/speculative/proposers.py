@@ -160,9 +160,15 @@ def load_eagle_head(model, dtype: str):
             raise ValueError("speculative_config.model for 'eagle': a folder, or "
                              "(EagleConfig, head params, vocab_map)")
         return tuple(model)
+    import os
+
     from llmserve.speculative.eagle import load_eagle
 
-    return load_eagle(str(model), dtype=dtype)
+    path = str(model)
+    if not os.path.isfile(os.path.join(path, "eagle.json")) and os.path.isfile(
+            os.path.join(path, "head", "eagle.json")):
+        path = os.path.join(path, "head")  # a train_eagle.py workdir
+    return load_eagle(path, dtype=dtype)
 
 
 class DraftModelProposer:
