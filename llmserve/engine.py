@@ -442,8 +442,14 @@ class Engine:
             row.carry_feature = c.start > 0 and c.seq.seq_id not in fresh
         self._note_prefill(plan)
         verify = bool(plan.decode and plan.lookahead)
-        decode = self._verify_rows(plan.decode) if verify else [
-            self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True) for seq in plan.decode]
+        decode = self._verify_rows(plan.decode) if verify else []
+        if verify and not any(len(r.tokens) > 1 for r in decode):
+            verify = False  # no row has a draft (n-gram found none): a plain step is cheaper
+        if not verify:
+            decode = [self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
+                      for seq in plan.decode]
+        if self.spec is not None:
+            self.policy.tick([seq.seq_id for seq in plan.decode])
         for row in decode:
             row.carry_feature = True  # a running sequence's last feature is in its slot
         t0 = time.perf_counter()

@@ -47,6 +47,7 @@ from llmserve.training import (
     train,
 )
 from llmserve.training import prompts as prompt_lib
+from llmserve.training.checkpoints import quiet_orbax_logs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import common  # noqa: E402  (the repository root, for `python scripts/...`)
@@ -168,20 +169,9 @@ def measure(cfg, params, data: dict, k: int, backend: str) -> dict:
     return acceptance.acceptance_stats(matches, k)
 
 
-def _quiet_orbax() -> None:
-    """Drops Orbax's per-save INFO lines from the absl log (our own lines stay)."""
-    import logging as py_logging
-
-    class _Filter(py_logging.Filter):
-        def filter(self, record):
-            return "orbax" not in record.pathname or record.levelno >= py_logging.WARNING
-
-    py_logging.getLogger("absl").addFilter(_Filter())
-
-
 def main(argv):
     del argv
-    _quiet_orbax()
+    quiet_orbax_logs()
     config = _CONFIG.value
     t_start = time.perf_counter()
     workdir = os.path.abspath(config.workdir)

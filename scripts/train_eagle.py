@@ -44,6 +44,7 @@ from llmserve.training import (
 )
 from llmserve.training import eagle as eagle_train
 from llmserve.training import prompts as prompt_lib
+from llmserve.training.checkpoints import quiet_orbax_logs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import common  # noqa: E402  (the repository root, for `python scripts/...`)
@@ -264,19 +265,9 @@ def ceilings(acc: dict, ms: dict, r: int) -> dict:
 
 
 # ------------------------------------------------------------------------------- main
-def _quiet_orbax() -> None:
-    import logging as py_logging
-
-    class _Filter(py_logging.Filter):
-        def filter(self, record):
-            return "orbax" not in record.pathname or record.levelno >= py_logging.WARNING
-
-    py_logging.getLogger("absl").addFilter(_Filter())
-
-
 def main(argv):
     del argv
-    _quiet_orbax()
+    quiet_orbax_logs()
     config = _CONFIG.value
     t_start = time.perf_counter()
     workdir = os.path.abspath(config.workdir)

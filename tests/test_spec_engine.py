@@ -128,6 +128,19 @@ def test_never_slower_policy():
         pol.record(1, 4, 0)
     assert not pol.proposes(1) and pol.expected_tokens(1) == 1.0
     assert pol.proposes(2)
+    # A pause is not final: after probe_every steps the request proposes once more, and a
+    # single miss pauses it again, while a hit keeps it proposing.
+    for _ in range(pol.probe_every - 1):
+        pol.tick([1, 2])
+        assert not pol.proposes(1)
+    pol.tick([1, 2])
+    assert pol.proposes(1)
+    pol.record(1, 4, 0)
+    assert not pol.proposes(1)
+    for _ in range(pol.probe_every):
+        pol.tick([1])
+    pol.record(1, 4, 4)
+    assert pol.proposes(1)
 
 
 def test_speculation_with_preemption_and_prefix_cache(tiny):
@@ -145,19 +158,10 @@ def test_speculation_with_preemption_and_prefix_cache(tiny):
     assert eng.blocks.all_free()
 
 
-def test_verify_rows_share_one_step_with_prefill(tiny):
-    """Verify rows [Bv, 1 + D] and prompt chunks run in ONE jitted call per engine step (the
-    drafts enter inside it); greedy output equals plain decoding and nothing recompiles."""
+def run_counting_steps(eng, prompts, sps):
+    """run_all, recording for every call of the jitted step whether it verified."""
     from llmserve import runner as runner_mod
 
-    cfg, params = tiny
-    prompts, lens = repetitive_workload(cfg, 12, seed=3)
-    sps = [SamplingParams(temperature=0, max_tokens=n + 6, ignore_eos=True) for n in lens]
-    want = run_all(make_engine(cfg, params), prompts, sps)
-    eng = make_engine(cfg, params, max_num_seqs=4, speculative_config={
-        "method": "draft", "model": (cfg, params), "num_speculative_tokens": 3,
-        "adaptive": False})
-    compiles = eng.runner.num_compilations() + eng.proposer.num_compilations()
     calls, real = [], runner_mod._jit_step
 
     def counted(*args, **kw):
@@ -166,9 +170,23 @@ def test_verify_rows_share_one_step_with_prefill(tiny):
 
     runner_mod._jit_step = counted
     try:
-        got = run_all(eng, prompts, sps)
+        return run_all(eng, prompts, sps), calls
     finally:
         runner_mod._jit_step = real
+
+
+def test_verify_rows_share_one_step_with_prefill(tiny):
+    """Verify rows [Bv, 1 + D] and prompt chunks run in ONE jitted call per engine step (the
+    drafts enter inside it); greedy output equals plain decoding and nothing recompiles."""
+    cfg, params = tiny
+    prompts, lens = repetitive_workload(cfg, 12, seed=3)
+    sps = [SamplingParams(temperature=0, max_tokens=n + 6, ignore_eos=True) for n in lens]
+    want = run_all(make_engine(cfg, params), prompts, sps)
+    eng = make_engine(cfg, params, max_num_seqs=4, speculative_config={
+        "method": "draft", "model": (cfg, params), "num_speculative_tokens": 3,
+        "adaptive": False})
+    compiles = eng.runner.num_compilations() + eng.proposer.num_compilations()
+    got, calls = run_counting_steps(eng, prompts, sps)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert len(calls) == eng.stats["steps"]  # one target call per engine step
     assert eng.stats.get("mixed_steps", 0) > 0 and any(calls)  # verify beside prefill ran
@@ -229,8 +247,6 @@ def _random_head(cfg, vd=None, seed=0):
 def test_eagle_head_in_the_step_greedy_identical(tiny, adaptive):
     """An EAGLE head runs inside the one jitted step (one call per engine step, nothing
     recompiles): greedy output equals plain decoding, with prefill beside verify rows."""
-    from llmserve import runner as runner_mod
-
     cfg, params = tiny
     prompts, lens = repetitive_workload(cfg, 10, seed=11)
     sps = [SamplingParams(temperature=0, max_tokens=n + 6, ignore_eos=True) for n in lens]
@@ -239,17 +255,7 @@ def test_eagle_head_in_the_step_greedy_identical(tiny, adaptive):
         "method": "eagle", "model": _random_head(cfg, vd=cfg.vocab_size // 2),
         "num_speculative_tokens": 3, "adaptive": adaptive})
     compiles = eng.runner.num_compilations()
-    calls, real = [], runner_mod._jit_step
-
-    def counted(*args, **kw):
-        calls.append(args[3].verify)
-        return real(*args, **kw)
-
-    runner_mod._jit_step = counted
-    try:
-        got = run_all(eng, prompts, sps)
-    finally:
-        runner_mod._jit_step = real
+    got, calls = run_counting_steps(eng, prompts, sps)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert len(calls) == eng.stats["steps"]
     assert eng.runner.num_compilations() == compiles

@@ -45,24 +45,42 @@ class SpeculationPolicy:
     with R drafts is expected to emit 1 + a + a^2 + ... + a^R tokens. A step speculates when
     (expected tokens of all rows) / t_verify > rows / t_decode, with both step times measured
     (EMA per batch bucket, seeded at warm-up). A request whose EMA falls below ``min_rate``
-    after ``min_steps`` verify steps stops proposing (its rows then carry 0 drafts).
+    after ``min_steps`` verify steps stops proposing (its rows then carry 0 drafts) for
+    ``probe_every`` of its steps, then proposes once more: acceptance comes in bursts (a rewrite
+    copies its input for a while, then writes new text), so a pause is never final.
     """
 
     def __init__(self, k: int, *, prior: float = 0.6, decay: float = 0.8,
-                 min_rate: float = 0.1, min_steps: int = 4, adaptive: bool = True):
+                 min_rate: float = 0.1, min_steps: int = 4, probe_every: int = 8,
+                 adaptive: bool = True):
         self.k, self.prior, self.decay = k, prior, decay
         self.min_rate, self.min_steps, self.adaptive = min_rate, min_steps, adaptive
+        self.probe_every = probe_every
         self.rate: dict[int, float] = {}
         self.steps: dict[int, int] = {}
+        self.paused: dict[int, int] = {}  # seq -> its steps since it stopped proposing
         self.t_decode: dict[int, float] = {}
         self.t_verify: dict[int, float] = {}
 
     def proposes(self, seq_id: int) -> bool:
-        """False once a request has shown it rarely accepts drafts."""
+        """False while a request that has shown it rarely accepts drafts is paused."""
         if not self.adaptive:
             return True
         return not (self.steps.get(seq_id, 0) >= self.min_steps
                     and self.rate.get(seq_id, self.prior) < self.min_rate)
+
+    def tick(self, seq_ids) -> None:
+        """One step passed for these running sequences: a paused one that has waited
+        ``probe_every`` steps gets one more verify step (a single miss pauses it again)."""
+        for s in seq_ids:
+            if self.proposes(s):
+                self.paused.pop(s, None)
+                continue
+            self.paused[s] = self.paused.get(s, 0) + 1
+            if self.paused[s] >= self.probe_every:
+                self.paused.pop(s)
+                self.rate[s] = self.min_rate  # at the threshold: one more miss pauses it
+                self.steps[s] = self.min_steps - 1
 
     def expected_tokens(self, seq_id: int) -> float:
         if not self.proposes(seq_id):
@@ -96,3 +114,4 @@ class SpeculationPolicy:
     def forget(self, seq_id: int) -> None:
         self.rate.pop(seq_id, None)
         self.steps.pop(seq_id, None)
+        self.paused.pop(seq_id, None)

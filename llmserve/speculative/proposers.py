@@ -79,20 +79,10 @@ class Proposer(Protocol):
         ...
 
 
-class NgramLookup:
-    """Prompt lookup (``ngram.NgramProposer``) behind the protocol: host drafts only."""
+class _NoDeviceState:
+    """Hooks of a proposer that keeps no device state of its own (all no-ops)."""
 
     device_drafts = False
-
-    def __init__(self, n_max: int, n_min: int, num_speculative_tokens: int):
-        self.lookup = NgramProposer(n_max, n_min, num_speculative_tokens)
-        self.num_speculative_tokens = num_speculative_tokens
-
-    def propose(self, seqs: Sequence, room: np.ndarray) -> Proposal:
-        tokens, num = self.lookup.propose_batch([s.all_ids for s in seqs],
-                                                self.num_speculative_tokens)
-        return Proposal(num_draft=np.minimum(num, room[: len(seqs)]).astype(np.int32),
-                        tokens=tokens)
 
     def drafts(self, seqs, batch):
         return None, None
@@ -116,7 +106,21 @@ class NgramLookup:
         pass
 
 
-class EagleHeadProposer:
+class NgramLookup(_NoDeviceState):
+    """Prompt lookup (``ngram.NgramProposer``) behind the protocol: host drafts only."""
+
+    def __init__(self, n_max: int, n_min: int, num_speculative_tokens: int):
+        self.lookup = NgramProposer(n_max, n_min, num_speculative_tokens)
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def propose(self, seqs: Sequence, room: np.ndarray) -> Proposal:
+        tokens, num = self.lookup.propose_batch([s.all_ids for s in seqs],
+                                                self.num_speculative_tokens)
+        return Proposal(num_draft=np.minimum(num, room[: len(seqs)]).astype(np.int32),
+                        tokens=tokens)
+
+
+class EagleHeadProposer(_NoDeviceState):
     """An EAGLE head (``speculative/eagle.py``) behind the protocol. The head runs inside the
     runner's step (``Runner(eagle=...)``): it reads the target's hidden states there, keeps its
     own cache on the target's pages, and leaves each slot's next drafts on the device, where

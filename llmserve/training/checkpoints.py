@@ -59,3 +59,14 @@ class TrainCheckpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def quiet_orbax_logs() -> None:
+    """Drops Orbax's per-save INFO lines from the absl log (our own lines stay)."""
+    import logging as py_logging
+
+    class _Filter(py_logging.Filter):
+        def filter(self, record):
+            return "orbax" not in record.pathname or record.levelno >= py_logging.WARNING
+
+    py_logging.getLogger("absl").addFilter(_Filter())
