@@ -206,6 +206,7 @@ class Engine:
         self._counter = 0
         self._aborted: list[RequestOutput] = []  # final outputs the next step() reports
         self._inflight: Optional[Plan] = None
+        self._drafted = False  # an EAGLE head left drafts for the next step
         self.spec = None
         if config.speculative_config is not None:
             self._init_speculation(config.speculative_config, num_pages, backend)
@@ -389,6 +390,7 @@ class Engine:
         for seq in list(self.scheduler.running):
             self.scheduler.preempt(seq)
         self.runner.reset()
+        self._drafted = False
         if self.spec is not None:
             self.proposer.reset()
         self.blocks.drop_prefix_cache()
@@ -443,8 +445,8 @@ class Engine:
         self._note_prefill(plan)
         verify = bool(plan.decode and plan.lookahead)
         decode = self._verify_rows(plan.decode) if verify else []
-        if verify and not any(len(r.tokens) > 1 for r in decode):
-            verify = False  # no row has a draft (n-gram found none): a plain step is cheaper
+        if verify and not self._worth_verifying(plan.decode, decode):
+            verify = False  # too few drafts (n-gram found few or none): plain is cheaper
         if not verify:
             decode = [self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
                       for seq in plan.decode]
@@ -453,7 +455,8 @@ class Engine:
         for row in decode:
             row.carry_feature = True  # a running sequence's last feature is in its slot
         t0 = time.perf_counter()
-        batch = self.runner.prepare(decode, prefill, verify=verify)
+        batch = self.runner.prepare(decode, prefill, verify=verify,
+                                    head_drafts=self._head_drafts())
         self._count(batch, decode, prefill)
         drafts = probs = None
         if self.spec is not None:
@@ -557,10 +560,20 @@ class Engine:
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
 
-    def _lookahead(self) -> int:
+    def _head_drafts(self) -> bool:
+        """Whether an EAGLE head drafts at the end of this step: the policy decides the next
+        step's verify now (from the same rows), and a step verifies only after one drafted."""
+        if self.spec is None or self.spec.method != "eagle":
+            return False
+        self._drafted = self._lookahead(ahead=True) > 0
+        return self._drafted
+
+    def _lookahead(self, ahead: bool = False) -> int:
         """D when this step should verify drafts (see SpeculationPolicy), else 0."""
         if self.spec is None:
             return 0
+        if not ahead and self.spec.method == "eagle" and not self._drafted:
+            return 0  # the head made no drafts at the end of the last step
         rows = [s for s in self.scheduler.running if not s.in_prefill]
         if not rows:
             return 0
@@ -572,6 +585,18 @@ class Engine:
                                      self.runner.decode_bucket(n, verify=True)):
             return 0
         return self.spec.num_speculative_tokens
+
+    def _worth_verifying(self, seqs: list, rows: list[ScheduledRow]) -> bool:
+        """The policy's choice again, now that each row's number of drafts is known (host
+        proposals only: device drafts always fill each row's room, as ``_lookahead`` assumed)."""
+        drafts = [len(r.tokens) - 1 for r in rows]
+        if not any(drafts):
+            return False
+        if self.proposer.device_drafts or self.spec.method == "eagle":
+            return True
+        n = len(seqs)
+        return self.policy.speculate([s.seq_id for s in seqs], self.runner.decode_bucket(n),
+                                     self.runner.decode_bucket(n, verify=True), drafts)
 
     def _verify_rows(self, seqs: list) -> list[ScheduledRow]:
         """Each sequence's verify row: its last token, then the drafts the proposer gives it

@@ -91,6 +91,7 @@ class HeadInput:
     prev: Array  # [N] int32: flat index of the token before in the same row, else -1
     first_row: Array  # [N] int32: the row whose first token this is, else -1
     carry: Array  # [R] bool: the slot's carried feature is this row's h_{start-1}
+    draft: Array  # [] bool: draft for the next step (False: the next step will not verify)
 
 @flax.struct.dataclass
 class StepInput:
@@ -225,7 +226,8 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         v = logits.shape[-1]
         head = lambda x: jax.tree_util.tree_map(lambda a: a[:bv], x)  # noqa: E731
         tail = lambda x: jax.tree_util.tree_map(lambda a: a[bv:], x)  # noqa: E731
-        vlogits = suppress(logits[: bv * w].reshape(bv, w, v), head(inp))  # [Bv, 1 + D, V]
+        rows = inp.replace(head=None)  # per-row fields only (sliced by row below)
+        vlogits = suppress(logits[: bv * w].reshape(bv, w, v), head(rows))  # [Bv, 1 + D, V]
         ver = verify(inp.tokens[: bv * w].reshape(bv, w)[:, 1:], draft_probs, vlogits,
                      head(inp.sampling), part.q_start + 1, counts[:bv], pmask[:bv],
                      num_draft=inp.num_draft[:bv])
@@ -234,7 +236,7 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         vcounts = counts[:bv].at[jnp.arange(bv)[:, None], jnp.maximum(ver.out_tokens, 0)].add(
             emitted.astype(jnp.int32))
         # The other parts' rows (prefill chunks) sample as in a plain step.
-        rlogits = suppress(logits[bv * w:][:, None], tail(inp))[:, 0]  # [R - Bv, V]
+        rlogits = suppress(logits[bv * w:][:, None], tail(rows))[:, 0]  # [R - Bv, V]
         out = sampling.sample(rlogits, tail(inp.sampling), inp.sample_pos[bv:], counts[bv:],
                               pmask[bv:], num_logprobs=num_logprobs)
         rcounts = sampling.update_counts(counts[bv:], out.tokens, inp.emit[bv:])
@@ -292,11 +294,19 @@ def _eagle_after_step(params, eagle: EagleState, inp: StepInput, hidden: Array,
     feat = hidden[jnp.clip(last, 0, n - 1)]  # [R, D]: h_{L-1}
     emitted = jnp.take_along_axis(result.tokens, result.num_accepted[:, None], axis=1)[:, 0]
     pos = jnp.where(inp.emit, inp.positions[jnp.clip(last, 0, n - 1)] + 1, 0)
-    out, hcache = eagle_lib.eagle_propose(
-        eagle.params, embed, norm, eagle.vocab_map, hcache, feat[:, None], emitted[:, None],
-        pos, inp.emit.astype(jnp.int32), tables, inp.sampling, ecfg=ecfg,
-        num_draft=eagle.drafts.shape[1], backend=backend, with_probs=False)
-    return eagle.replace(cache=hcache, drafts=eagle.drafts.at[inp.slot_ids].set(out.tokens),
+
+    def chain(hcache):
+        out, hcache = eagle_lib.eagle_propose(
+            eagle.params, embed, norm, eagle.vocab_map, hcache, feat[:, None],
+            emitted[:, None], pos, inp.emit.astype(jnp.int32), tables, inp.sampling,
+            ecfg=ecfg, num_draft=eagle.drafts.shape[1], backend=backend, with_probs=False)
+        return hcache, out.tokens
+
+    # The chain costs D small sequential steps: skipped when the next step will not verify
+    # (the never-slower policy chose plain decoding); the head's cache is written either way.
+    hcache, drafts = jax.lax.cond(head.draft, chain,
+                                  lambda c: (c, eagle.drafts[inp.slot_ids]), hcache)
+    return eagle.replace(cache=hcache, drafts=eagle.drafts.at[inp.slot_ids].set(drafts),
                          features=eagle.features.at[inp.slot_ids].set(feat))
 
 
@@ -456,12 +466,13 @@ class Runner:
 
     # ------------------------------------------------------------------ host batch
     def prepare(self, decode: Sequence[ScheduledRow], prefill: Sequence[ScheduledRow] = (),
-                verify: bool = False) -> StepInput:
+                verify: bool = False, head_drafts: bool = True) -> StepInput:
         """Builds the typed host batch (numpy) for one step from its scheduled rows.
 
         ``decode`` rows get a part [Bd, 1] (``verify``: [Bv, 1 + D], each row its last token
         and up to D drafts), ``prefill`` rows a part [Bp, C]; each part is padded to its
-        bucket, and an empty one is left out.
+        bucket, and an empty one is left out. ``head_drafts``: an EAGLE head drafts for the
+        next step (False when the next step will not verify).
         """
         parts = []
         if decode:
@@ -472,7 +483,7 @@ class Runner:
         if prefill:
             b, c = self.prefill_bucket(len(prefill), max(len(r.tokens) for r in prefill))
             parts.append((prefill, b, c))
-        return self._build(parts, verify=verify and bool(decode))
+        return self._build(parts, verify=verify and bool(decode), head_drafts=head_drafts)
 
     def empty_batch(self, shape: tuple) -> StepInput:
         """A batch of the given ``step_shapes()`` entry with every row padding (warm-up)."""
@@ -480,7 +491,7 @@ class Runner:
         parts = ([([], d, w)] if d else []) + ([([], p[0], p[1])] if p else [])
         return self._build(parts, verify=w > 1)
 
-    def _build(self, parts, verify: bool = False) -> StepInput:
+    def _build(self, parts, verify: bool = False, head_drafts: bool = True) -> StepInput:
         n = max(sum(b * t for _, b, t in parts), self.min_rows)
         r = sum(b for _, b, _ in parts)
         size, m, v = self.page_size, self.pages_per_seq, self.cfg.vocab_size
@@ -539,7 +550,8 @@ class Runner:
             row += b
         per_token = self._per_token(metas, positions, write_page) \
             if self.batch_invariant else None
-        head_input = HeadInput(prev=prev, first_row=first_row, carry=carry) if head else None
+        head_input = HeadInput(prev=prev, first_row=first_row, carry=carry,
+                               draft=np.asarray(head_drafts)) if head else None
         return StepInput(tokens=tokens, positions=positions, write_page=write_page,
                          write_offset=write_offset, parts=tuple(metas), per_token=per_token,
                          sample_index=sample_index, sample_pos=sample_pos, slot_ids=slot_ids,

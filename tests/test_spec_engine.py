@@ -298,9 +298,11 @@ def test_eagle_drafts_in_the_engine_equal_the_training_forward(tiny):
     cfg, params = tiny
     ecfg, head, vocab_map = _random_head(cfg, vd=cfg.vocab_size // 4, seed=3)
     eng = make_engine(cfg, params, max_num_batched_tokens=8, speculative_config={
-        "method": "eagle", "model": (ecfg, head, vocab_map), "num_speculative_tokens": 2})
+        "method": "eagle", "model": (ecfg, head, vocab_map), "num_speculative_tokens": 2,
+        "adaptive": False})
     turns = iter([True, False] * 1000)  # verify steps and plain decode steps alternate
-    eng.policy.speculate = lambda *a: next(turns)
+    policy = eng._lookahead
+    eng._lookahead = lambda ahead=False: policy(ahead) if ahead or next(turns) else 0
     prompt = (np.arange(3, 22) * 7 % cfg.vocab_size).tolist()  # 19 tokens: 3 chunks of <= 8
     eng.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     seen = []  # (tokens so far, the slot's draft 0) after each step that emitted
@@ -308,8 +310,7 @@ def test_eagle_drafts_in_the_engine_equal_the_training_forward(tiny):
         eng.step()
         seq = next(iter(eng.requests.values())).seqs[0] if eng.requests else None
         if seq is not None and seq.output_ids:
-            seen.append((list(seq.all_ids), int(np.asarray(eng.runner.eagle.drafts)[seq.slot,
-                                                                                      0])))
+            seen.append((list(seq.all_ids), np.asarray(eng.runner.eagle.drafts)[seq.slot]))
     tokens = seen[-1][0]
     t = len(tokens)
     meta = AttentionMetadata.for_dense(jnp.arange(t, dtype=jnp.int32)[None],
@@ -321,5 +322,24 @@ def test_eagle_drafts_in_the_engine_equal_the_training_forward(tiny):
     _, logits = eagle.eagle_forward_dense(head, params["embed"], params["final_norm"],
                                           vocab_map, feats, jnp.asarray([tokens]), ecfg=ecfg)
     want = vocab_map[np.asarray(jnp.argmax(logits[0], -1))]  # draft after x_q, at q
-    matches = [d == want[len(ids) - 1] for ids, d in seen]
+    matches = [d[0] == want[len(ids) - 1] for ids, d in seen]
     assert len(matches) >= 10 and sum(matches) >= 0.9 * len(matches), matches
+    assert eng.stats["spec_verify_rows"] >= 3  # verify steps were among them
+
+    # The whole chain: the head's own propose over the true prefix, on a fresh cache.
+    from llmserve.sampling import SamplingArrays
+
+    pages = -(-(t + 4) // eng.config.page_size)
+    table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
+    greedy = SamplingArrays.from_lists([dict(temperature=0.0)])
+    chains = []
+    for ids, d in seen:
+        n = len(ids)
+        f = jnp.zeros((1, t, cfg.d_model)).at[:, :n].set(feats[:, :n])
+        x = jnp.zeros((1, t), jnp.int32).at[:, :n].set(jnp.asarray([ids]))
+        out, _ = eagle.eagle_propose(head, params["embed"], params["final_norm"], vocab_map,
+                                     eagle.create_cache(ecfg, pages + 1, eng.config.page_size),
+                                     f, x, jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32),
+                                     table, greedy, ecfg=ecfg, num_draft=2, with_probs=False)
+        chains.append(np.array_equal(np.asarray(out.tokens[0]), d))
+    assert sum(chains) >= 0.9 * len(chains), chains

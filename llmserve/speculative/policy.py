@@ -82,20 +82,26 @@ class SpeculationPolicy:
                 self.rate[s] = self.min_rate  # at the threshold: one more miss pauses it
                 self.steps[s] = self.min_steps - 1
 
-    def expected_tokens(self, seq_id: int) -> float:
+    def expected_tokens(self, seq_id: int, num_draft: int | None = None) -> float:
+        """Tokens a verify row is expected to emit with ``num_draft`` drafts (default R)."""
         if not self.proposes(seq_id):
             return 1.0
         a = self.rate.get(seq_id, self.prior)
-        return sum(a ** j for j in range(self.k + 1))
+        return sum(a ** j for j in range(1 + (self.k if num_draft is None else num_draft)))
 
-    def speculate(self, seq_ids, decode_bucket: int, verify_bucket: int) -> bool:
-        """Whether verifying beats decoding for these rows (steps timed per bucket)."""
+    def speculate(self, seq_ids, decode_bucket: int, verify_bucket: int,
+                  num_draft=None) -> bool:
+        """Whether verifying beats decoding for these rows (steps timed per bucket).
+
+        ``num_draft``: the drafts each row actually carries when known (n-gram proposals are
+        made on the host first), else R for every proposing row."""
         if not self.adaptive:
             return True
         td, tv = self.t_decode.get(decode_bucket), self.t_verify.get(verify_bucket)
         if td is None or tv is None:
             return True
-        gain = sum(self.expected_tokens(s) for s in seq_ids) / tv
+        counts = [None] * len(seq_ids) if num_draft is None else [int(n) for n in num_draft]
+        gain = sum(self.expected_tokens(s, n) for s, n in zip(seq_ids, counts)) / tv
         return gain > len(seq_ids) / td
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
