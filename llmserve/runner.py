@@ -287,7 +287,7 @@ def _eagle_after_step(params, eagle: EagleState, inp: StepInput, hidden: Array,
     carried = jnp.where(head.carry[row, None], eagle.features[inp.slot_ids[row]], 0.0)
     feats = jnp.where((head.prev >= 0)[:, None], hidden[jnp.maximum(head.prev, 0)],
                       jnp.where((head.first_row >= 0)[:, None], carried, 0.0))  # [N, D]
-    _, hcache = eagle_lib._run_head(eagle.params, embed, eagle.cache, feats[None], tokens[None],
+    _, hcache = eagle_lib.run_head(eagle.params, embed, eagle.cache, feats[None], tokens[None],
                                     inp.metadata(), ecfg, backend)
     # Each emitting row drafts from (h_{L-1}, x_L) at position L.
     tables = jnp.concatenate([p.block_tables for p in inp.parts])  # [R, M]

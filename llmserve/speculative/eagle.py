@@ -189,9 +189,12 @@ def _head_meta(q_start: Array, n_valid: Array, t: int, block_tables: Optional[Ar
                              block_tables=block_tables)
 
 
-def _run_head(head_params, target_embed: Any, cache: Any, features: Array, next_tokens: Array,
+def run_head(head_params, target_embed: Any, cache: Any, features: Array, next_tokens: Array,
               meta: AttentionMetadata, ecfg: EagleConfig, backend: str):
-    """The head over inputs [B, T] (features [B, T, D], next tokens [B, T]) -> (f, cache)."""
+    """The head over inputs [B, T] (features [B, T, D], next tokens [B, T]) -> (f, cache).
+
+    ``meta`` is any attention metadata the model's blocks take (row-form, or a step's
+    ragged flat tokens with batch dim 1, as the runner passes it)."""
     table = _table(target_embed, "embedding")
     tokens = jnp.clip(next_tokens.astype(jnp.int32), 0, table.shape[0] - 1)
     embeds = jnp.take(table, tokens, axis=0).astype(jnp.float32)  # [B, T, D]
@@ -211,7 +214,7 @@ def eagle_forward(head_params, target_embed: Any, target_norm: Any, vocab_map: A
     target_norm: the final norm's scale [D] (or {"scale": ...}). Pure and jittable.
     """
     meta = _head_meta(q_start, n_valid, features.shape[1], block_tables)
-    f, cache = _run_head(head_params, target_embed, cache, features, next_tokens, meta, ecfg,
+    f, cache = run_head(head_params, target_embed, cache, features, next_tokens, meta, ecfg,
                          backend)
     return f, draft_logits(f, target_embed, target_norm, vocab_map, ecfg), cache
 
@@ -229,7 +232,7 @@ def eagle_forward_dense(head_params, target_embed: Any, target_norm: Any, vocab_
     b, t = next_tokens.shape
     meta = _head_meta(jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32), t, None)
     cache = DenseKVCache.create(ecfg.block_config(), b, t)
-    f, _ = _run_head(head_params, target_embed, cache, features, next_tokens, meta, ecfg,
+    f, _ = run_head(head_params, target_embed, cache, features, next_tokens, meta, ecfg,
                      backend)
     return f, draft_logits(f, target_embed, target_norm, vocab_map, ecfg)
 
@@ -240,7 +243,7 @@ def eagle_prefill(head_params, target_embed: Any, cache: PagedKVCache, features:
                   ecfg: EagleConfig, backend: str = "xla") -> PagedKVCache:
     """Writes head inputs [B, T] (as ``eagle_forward``) into the head's cache (donated)."""
     meta = _head_meta(q_start, n_valid, features.shape[1], block_tables)
-    return _run_head(head_params, target_embed, cache, features, next_tokens, meta, ecfg,
+    return run_head(head_params, target_embed, cache, features, next_tokens, meta, ecfg,
                      backend)[1]
 
 
@@ -297,7 +300,7 @@ def eagle_propose(head_params, target_embed: Any, target_norm: Any, vocab_map: A
         return vocab_map[idx], q, counts
 
     meta = _head_meta(q_start, n_valid, features.shape[1], block_tables)
-    f, cache = _run_head(head_params, target_embed, cache, features, next_tokens, meta, ecfg,
+    f, cache = run_head(head_params, target_embed, cache, features, next_tokens, meta, ecfg,
                          backend)
     last = jnp.maximum(n_valid - 1, 0)
     f_last = jnp.take_along_axis(f, last[:, None, None], axis=1)[:, 0]  # [B, D]
@@ -306,7 +309,7 @@ def eagle_propose(head_params, target_embed: Any, target_norm: Any, vocab_map: A
     def step(carry, j):
         cache, f_prev, tok, counts = carry
         meta = _head_meta(pos0 + j - 1, live.astype(jnp.int32), 1, block_tables)
-        f, cache = _run_head(head_params, target_embed, cache, f_prev[:, None], tok[:, None],
+        f, cache = run_head(head_params, target_embed, cache, f_prev[:, None], tok[:, None],
                              meta, ecfg, backend)
         tok, q, counts = pick(f[:, 0], j, counts)
         return (cache, f[:, 0], tok, counts), (tok, q if with_probs else None)

@@ -41,7 +41,7 @@ class SpeculativeConfig:
 class SpeculationPolicy:
     """Decides per step whether to verify R drafts or decode one token, so it is never slower.
 
-    Rule: each request keeps an EMA ``a`` of its per-token acceptance rate (prior 0.6). A row
+    Rule: each request keeps an EMA ``a`` of its per-token acceptance rate (prior 0.4). A row
     with R drafts is expected to emit 1 + a + a^2 + ... + a^R tokens. A step speculates when
     (expected tokens of all rows) / t_verify > rows / t_decode, with both step times measured
     (EMA per batch bucket, seeded at warm-up). A request whose EMA falls below ``min_rate``
@@ -50,7 +50,7 @@ class SpeculationPolicy:
     copies its input for a while, then writes new text), so a pause is never final.
     """
 
-    def __init__(self, k: int, *, prior: float = 0.6, decay: float = 0.8,
+    def __init__(self, k: int, *, prior: float = 0.4, decay: float = 0.8,
                  min_rate: float = 0.1, min_steps: int = 4, probe_every: int = 8,
                  adaptive: bool = True):
         self.k, self.prior, self.decay = k, prior, decay
