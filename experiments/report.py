@@ -87,7 +87,9 @@ def spec_cell(s: dict) -> str:
             + f"; adaptive never below {_x(s.get('min_speedup_adaptive'), '.2f')} at any batch"
             + f"; a verify step costs {_x(s.get(f'ngram_b{b}_verify_decode_cost'), '.2f')} a "
               "decode step (n-gram)"
-            + ("" if s.get("all_identical", True) else "; GREEDY OUTPUT DIFFERS"))
+            + ("; greedy output identical" if s.get("all_identical", True) else
+               "; greedy output identical up to bf16 near-ties"
+               if s.get("all_identical_up_to_near_ties", True) else "; GREEDY OUTPUT DIFFERS"))
 
 
 def paged_cell(s: dict) -> str:
