@@ -219,7 +219,9 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         if drafts is not None:  # a draft model's tokens enter here, on the device
             rows = inp.tokens[: bv * w].reshape(bv, w).at[:, 1:].set(drafts.astype(jnp.int32))
             inp = inp.replace(tokens=jnp.concatenate([rows.reshape(-1), inp.tokens[bv * w:]]))
-        index = jnp.concatenate([jnp.arange(bv * w, dtype=jnp.int32), inp.sample_index[bv:]])
+        index = jnp.arange(bv * w, dtype=jnp.int32)
+        if r > bv:
+            index = jnp.concatenate([index, inp.sample_index[bv:]])
         logits, cache, *hidden = forward(params, cache, inp, cfg=cfg, backend=backend,
                                          logits_index=index, min_rows=min_rows,
                                          return_hidden=eagle is not None)
@@ -235,20 +237,28 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         emitted = (ver.out_tokens >= 0) & inp.emit[:bv, None]
         vcounts = counts[:bv].at[jnp.arange(bv)[:, None], jnp.maximum(ver.out_tokens, 0)].add(
             emitted.astype(jnp.int32))
-        # The other parts' rows (prefill chunks) sample as in a plain step.
-        rlogits = suppress(logits[bv * w:][:, None], tail(rows))[:, 0]  # [R - Bv, V]
-        out = sampling.sample(rlogits, tail(inp.sampling), inp.sample_pos[bv:], counts[bv:],
-                              pmask[bv:], num_logprobs=num_logprobs)
-        rcounts = sampling.update_counts(counts[bv:], out.tokens, inp.emit[bv:])
-        counts = jnp.concatenate([vcounts, rcounts])
-        pad = lambda x, fill: jnp.pad(  # noqa: E731
-            x[:, None], [(0, 0), (0, w - 1)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
-        result = StepOutput(
-            tokens=jnp.concatenate([ver.out_tokens, pad(out.tokens, -1)]),
-            logprobs=jnp.concatenate([ver.logprobs, pad(out.logprobs, 0.0)]),
-            top_ids=jnp.concatenate([top_ids, pad(out.top_ids, 0)]),
-            top_logprobs=jnp.concatenate([top_lp, pad(out.top_logprobs, 0.0)]),
-            num_accepted=jnp.concatenate([ver.num_accepted, jnp.zeros(r - bv, jnp.int32)]))
+        result = StepOutput(tokens=ver.out_tokens, logprobs=ver.logprobs, top_ids=top_ids,
+                            top_logprobs=top_lp, num_accepted=ver.num_accepted)
+        new_counts = vcounts
+        if r > bv:  # the other parts' rows (prefill chunks) sample as in a plain step
+            # (a static branch: a verify-only step has no such rows, and sampling ops over
+            # zero rows are left out of its program altogether)
+            rlogits = suppress(logits[bv * w:][:, None], tail(rows))[:, 0]  # [R - Bv, V]
+            out = sampling.sample(rlogits, tail(inp.sampling), inp.sample_pos[bv:],
+                                  counts[bv:], pmask[bv:], num_logprobs=num_logprobs)
+            rcounts = sampling.update_counts(counts[bv:], out.tokens, inp.emit[bv:])
+            new_counts = jnp.concatenate([vcounts, rcounts])
+            pad = lambda x, fill: jnp.pad(  # noqa: E731
+                x[:, None], [(0, 0), (0, w - 1)] + [(0, 0)] * (x.ndim - 1),
+                constant_values=fill)
+            result = StepOutput(
+                tokens=jnp.concatenate([ver.out_tokens, pad(out.tokens, -1)]),
+                logprobs=jnp.concatenate([ver.logprobs, pad(out.logprobs, 0.0)]),
+                top_ids=jnp.concatenate([top_ids, pad(out.top_ids, 0)]),
+                top_logprobs=jnp.concatenate([top_lp, pad(out.top_logprobs, 0.0)]),
+                num_accepted=jnp.concatenate([ver.num_accepted,
+                                              jnp.zeros(r - bv, jnp.int32)]))
+        counts = new_counts
     sstate = sstate.replace(counts=sstate.counts.at[inp.slot_ids].set(counts))
     if eagle is not None:
         eagle = _eagle_after_step(params, eagle, inp, hidden[0], result, eagle_cfg, backend)
