@@ -182,7 +182,7 @@ def test_verify_rows_share_one_step_with_prefill(tiny):
     prompts, lens = repetitive_workload(cfg, 12, seed=3)
     sps = [SamplingParams(temperature=0, max_tokens=n + 6, ignore_eos=True) for n in lens]
     want = run_all(make_engine(cfg, params), prompts, sps)
-    eng = make_engine(cfg, params, max_num_seqs=4, speculative_config={
+    eng = make_engine(cfg, params, speculative_config={
         "method": "draft", "model": (cfg, params), "num_speculative_tokens": 3,
         "adaptive": False})
     compiles = eng.runner.num_compilations() + eng.proposer.num_compilations()
@@ -251,7 +251,7 @@ def test_eagle_head_in_the_step_greedy_identical(tiny, adaptive):
     prompts, lens = repetitive_workload(cfg, 10, seed=11)
     sps = [SamplingParams(temperature=0, max_tokens=n + 6, ignore_eos=True) for n in lens]
     want = run_all(make_engine(cfg, params), prompts, sps)
-    eng = make_engine(cfg, params, max_num_seqs=4, speculative_config={
+    eng = make_engine(cfg, params, speculative_config={
         "method": "eagle", "model": _random_head(cfg, vd=cfg.vocab_size // 2),
         "num_speculative_tokens": 3, "adaptive": adaptive})
     compiles = eng.runner.num_compilations()
