@@ -84,3 +84,18 @@ def tiny_over_smollm2_vocab(tokenizer):
     from llmserve.config import preset
 
     return preset("tiny-9-3").replace(vocab_size=tokenizer.vocab_size, eos_token_id=2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compilations():
+    """Each test module starts with jax's compile caches empty. A worker runs many modules;
+    after some hundreds of executables XLA:CPU crashed while compiling speculative steps
+    (abort / segfault in backend_compile, only deep into a full run). Modules that share
+    shapes recompile them, which costs a little CI time."""
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    yield
