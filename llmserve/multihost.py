@@ -87,7 +87,7 @@ def follow(runner: Runner) -> int:
             return calls
         if op == OP_STEP:
             parts, b0, t0, b1, t1 = (int(x) for x in head[1:6])
-            template = runner._build([([], b0, t0)] + ([([], b1, t1)] if parts == 2 else []))
+            template = runner.build([([], b0, t0)] + ([([], b1, t1)] if parts == 2 else []))
             Runner.run(runner, _broadcast(template, False))
         elif op == OP_COPY:
             pairs = _broadcast(np.zeros((int(head[1]), 2), np.int32), False)

@@ -493,15 +493,18 @@ class Runner:
         if prefill:
             b, c = self.prefill_bucket(len(prefill), max(len(r.tokens) for r in prefill))
             parts.append((prefill, b, c))
-        return self._build(parts, verify=verify and bool(decode), head_drafts=head_drafts)
+        return self.build(parts, verify=verify and bool(decode), head_drafts=head_drafts)
 
     def empty_batch(self, shape: tuple) -> StepInput:
         """A batch of the given ``step_shapes()`` entry with every row padding (warm-up)."""
         d, p, w = shape if len(shape) == 3 else (*shape, 1)
         parts = ([([], d, w)] if d else []) + ([([], p[0], p[1])] if p else [])
-        return self._build(parts, verify=w > 1)
+        return self.build(parts, verify=w > 1)
 
-    def _build(self, parts, verify: bool = False, head_drafts: bool = True) -> StepInput:
+    def build(self, parts, verify: bool = False, head_drafts: bool = True) -> StepInput:
+        """The host batch for ``parts`` = [(rows, bucket rows, tokens per row)], in flat order
+        (``prepare`` and ``empty_batch`` choose the buckets; multi-host followers rebuild a
+        template of the leader's shape with it)."""
         n = max(sum(b * t for _, b, t in parts), self.min_rows)
         r = sum(b for _, b, _ in parts)
         size, m, v = self.page_size, self.pages_per_seq, self.cfg.vocab_size
