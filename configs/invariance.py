@@ -7,8 +7,7 @@ r"""Bitwise batch invariance (``batch_invariant=True``): the invariance matrix a
 Targets (greedy and seeded-sampled, with logprobs) run alone, then beside 7 / 31 / 63 random
 co-tenants in random arrival order, after a prefix-cache hit, under another chunk split, after
 preemption and recompute, and (greedy) with n-gram speculation; each cell counts differing
-token ids and differing logprob bits (llmserve.testing.invariance). Pass = all zero (the
-speculation cell: token ids; logprobs are within 1 ulp until verify joins the unified step).
+token ids and differing logprob bits (llmserve.testing.invariance). Pass = all zero.
 Cost: the same greedy workload served with and without the mode, interleaved, median of
 ``repeats`` (tok/s ratio).
 """

@@ -16,10 +16,12 @@ place.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
 import os
+import weakref
 from typing import Optional, Sequence
 
 import flax.struct
@@ -320,13 +322,6 @@ def _eagle_after_step(params, eagle: EagleState, inp: StepInput, hidden: Array,
                          features=eagle.features.at[inp.slot_ids].set(feat))
 
 
-# Module-level jits with static config: every Runner of the same model and shapes shares one
-# compile cache (tests build many engines; a server builds one).
-_jit_step = jax.jit(_step, static_argnames=("cfg", "backend", "num_logprobs", "min_rows",
-                                            "eagle_cfg"),
-                    donate_argnames=("cache", "sstate", "eagle"))
-
-
 def invariant_min_rows(dtype: str) -> int:
     """Rows below which XLA:CPU's matmuls and batched attention change their summation order
     (measured: fp32 dots give one result for 1 row, another for 2-32 and another from 48 up;
@@ -336,7 +331,6 @@ def invariant_min_rows(dtype: str) -> int:
     return 8 if "bfloat16" in str(dtype) else 64
 
 
-@functools.partial(jax.jit, donate_argnames=("sstate",))
 def _init_sampler_rows(sstate: SamplerState, slots: Array, ids: Array, n_prompt: Array,
                        n_total: Array) -> SamplerState:
     """Rebuilds sampler rows from a sequence's tokens: slots [R], ids [R, M] (padded).
@@ -355,10 +349,57 @@ def _init_sampler_rows(sstate: SamplerState, slots: Array, ids: Array, n_prompt:
                         prompt_mask=sstate.prompt_mask.at[slots].set(pmask))
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def copy_cache_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
-    """Copy-on-write in place (the cache is donated): page src[i] into dst[i]."""
+def _copy_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
     return cache.copy_pages(src, dst)
+
+
+# Copy-on-write in place (the cache is donated): page src[i] into dst[i]. Public for a draft
+# model's own cache; the runner's cache goes through its StepPrograms.
+copy_cache_pages = jax.jit(_copy_pages, donate_argnames=("cache",))
+
+
+class StepPrograms:
+    """The jitted programs of one engine shape: the step, the page copy, the penalty-row init.
+
+    They are jax.jit objects of this instance, not module-level ones, so their executables die
+    with the engines that use them: XLA:CPU maps every executable's machine code into the
+    process (about 450 memory maps per step shape), and with process-wide compile caches a
+    sweep or a test run that built engine after engine in one process reached the kernel's
+    ``vm.max_map_count`` (65,530) and crashed inside XLA's compiler. ``programs_for`` shares one
+    instance among engines of the same shape while any lives, and keeps the last
+    ``KEEP_RECENT`` shapes after their engines are gone (sweeps and tests rebuild them).
+    """
+
+    KEEP_RECENT = 2
+
+    def __init__(self):
+        self.step = jax.jit(functools.partial(_step),
+                            static_argnames=("cfg", "backend", "num_logprobs", "min_rows",
+                                             "eagle_cfg"),
+                            donate_argnames=("cache", "sstate", "eagle"))
+        self.copy_pages = jax.jit(functools.partial(_copy_pages), donate_argnames=("cache",))
+        self.init_rows = jax.jit(functools.partial(_init_sampler_rows),
+                                 donate_argnames=("sstate",))
+
+    def num_compilations(self) -> int:
+        return (self.step._cache_size() + self.copy_pages._cache_size()
+                + self.init_rows._cache_size())
+
+
+_LIVE_PROGRAMS: "weakref.WeakValueDictionary[tuple, StepPrograms]" = weakref.WeakValueDictionary()
+_RECENT_PROGRAMS: "collections.OrderedDict[tuple, StepPrograms]" = collections.OrderedDict()
+
+
+def programs_for(key: tuple) -> StepPrograms:
+    """The StepPrograms for an engine shape ``key`` (hashable): shared while an engine with that
+    key lives, or while the key is among the last KEEP_RECENT asked for."""
+    programs = _LIVE_PROGRAMS.get(key) or _RECENT_PROGRAMS.get(key) or StepPrograms()
+    _LIVE_PROGRAMS[key] = programs
+    _RECENT_PROGRAMS[key] = programs
+    _RECENT_PROGRAMS.move_to_end(key)
+    while len(_RECENT_PROGRAMS) > StepPrograms.KEEP_RECENT:
+        _RECENT_PROGRAMS.popitem(last=False)
+    return programs
 
 
 def padded_page_pairs(pairs: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -432,6 +473,10 @@ class Runner:
                 features=jnp.zeros((max_slots + 1, cfg.d_model), jnp.float32)))
         self.batch_invariant = batch_invariant
         self.min_rows = invariant_min_rows(cfg.dtype) if batch_invariant else 1
+        self.programs = programs_for((
+            cfg, backend, num_logprobs, self.min_rows, self.eagle_cfg, max_slots, num_pages,
+            page_size, self.pages_per_seq, tuple(self.step_shapes()),
+            None if shardings is None else id(shardings)))
 
     # ------------------------------------------------------------------ shapes
     def decode_bucket(self, n: int, mixed: bool = False, verify: bool = False) -> int:
@@ -597,12 +642,12 @@ class Runner:
         """
         inp = self.put(batch)
         if self.eagle is not None:
-            out, self.cache, self.sstate, self.eagle = _jit_step(
+            out, self.cache, self.sstate, self.eagle = self.programs.step(
                 self.params, self.cache, self.sstate, inp, None, None, self.eagle,
                 cfg=self.cfg, backend=self.backend, num_logprobs=self.num_logprobs,
                 min_rows=self.min_rows, eagle_cfg=self.eagle_cfg)
         else:
-            out, self.cache, self.sstate = _jit_step(
+            out, self.cache, self.sstate = self.programs.step(
                 self.params, self.cache, self.sstate, inp, drafts, draft_probs, cfg=self.cfg,
                 backend=self.backend, num_logprobs=self.num_logprobs, min_rows=self.min_rows)
         return out if self.shardings is None else self.shardings.local(out)
@@ -616,7 +661,7 @@ class Runner:
     def lower_step(self, batch: StepInput):
         """The step for ``batch``'s shape, lowered (``.compile().as_text()`` is its HLO after
         partitioning: what experiments/sharding.py and the tests read for collectives)."""
-        return _jit_step.lower(self.params, self.cache, self.sstate, self.put(batch),
+        return self.programs.step.lower(self.params, self.cache, self.sstate, self.put(batch),
                                cfg=self.cfg, backend=self.backend,
                                num_logprobs=self.num_logprobs, min_rows=self.min_rows)
 
@@ -625,9 +670,10 @@ class Runner:
         if not pairs:
             return
         src_dst = self.put(padded_page_pairs(pairs))
-        self.cache = copy_cache_pages(self.cache, *src_dst)
+        self.cache = self.programs.copy_pages(self.cache, *src_dst)
         if self.eagle is not None:  # the head's cache follows the same pages
-            self.eagle = self.eagle.replace(cache=copy_cache_pages(self.eagle.cache, *src_dst))
+            self.eagle = self.eagle.replace(cache=self.programs.copy_pages(self.eagle.cache,
+                                                                           *src_dst))
 
     def init_sampler_rows(self, rows: Sequence[tuple[int, Sequence[int], int]]) -> None:
         """Fills the penalty rows of (re)admitted sequences from their tokens.
@@ -645,8 +691,8 @@ class Runner:
             for i, (slot, tokens, num_prompt) in enumerate(rows[g:g + 4]):
                 slots[i], n_prompt[i], n_total[i] = slot, num_prompt, len(tokens)
                 ids[i, : len(tokens)] = tokens
-            self.sstate = _init_sampler_rows(self.sstate, *self.put((slots, ids, n_prompt,
-                                                                     n_total)))
+            self.sstate = self.programs.init_rows(self.sstate, *self.put((slots, ids, n_prompt,
+                                                                          n_total)))
 
     def reset(self) -> None:
         """Fresh (zeroed) cache and sampler state, e.g. after a failed step consumed the
@@ -684,9 +730,8 @@ class Runner:
         self.init_sampler_rows([(self.max_slots, [0], 1)])
 
     def num_compilations(self) -> int:
-        """Executables the jitted steps hold, process-wide (grows only for a new shape)."""
-        return (_jit_step._cache_size() + copy_cache_pages._cache_size()
-                + _init_sampler_rows._cache_size())
+        """Executables this engine's programs hold (grows only for a new shape)."""
+        return self.programs.num_compilations()
 
 
 def part_arrays(batch: StepInput, index: int) -> tuple[np.ndarray, ...]:

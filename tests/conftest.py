@@ -86,12 +86,21 @@ def tiny_over_smollm2_vocab(tokenizer):
     return preset("tiny-9-3").replace(vocab_size=tokenizer.vocab_size, eos_token_id=2)
 
 
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_compilations():
-    """Each test module starts with jax's compile caches empty. A worker runs many modules;
-    after some hundreds of executables XLA:CPU crashed while compiling speculative steps
-    (abort / segfault in backend_compile, only deep into a full run). Modules that share
-    shapes recompile them, which costs a little CI time."""
+    """Each test module starts with jax's compile caches empty. XLA:CPU maps every executable's
+    code into the process (hundreds of memory maps per engine shape); a worker that kept every
+    module's executables reached the kernel's vm.max_map_count (65,530) and crashed inside
+    XLA's compiler. Engines free their own programs (runner.StepPrograms); this also drops the
+    module-level jits' caches."""
     import gc
 
     import jax
@@ -99,3 +108,17 @@ def _fresh_compilations():
     jax.clear_caches()
     gc.collect()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_maps():
+    """After a test, engines it dropped are collected; past 40,000 maps, caches are cleared."""
+    yield
+    import gc
+
+    gc.collect()
+    if _memory_maps() > 40_000:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()

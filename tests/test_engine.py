@@ -260,3 +260,30 @@ def test_bfloat16_engine_matches_the_bfloat16_reference_until_a_near_tie():
         assert top2[1] - top2[0] < tol, f"diverged at {i} with a top-2 gap {top2[1] - top2[0]}"
         diverged += 1
     assert diverged <= 2
+
+
+def test_dropped_engines_free_their_compiled_programs(tiny):
+    """An engine owns its compiled programs: after it is dropped and other shapes are built,
+    its executables are freed (XLA:CPU maps each one's code into the process; a sweep building
+    engine after engine once crashed on the kernel's memory-map limit). Engines of the same
+    shape share programs while either lives."""
+    import gc
+    import weakref
+
+    from llmserve.runner import StepPrograms
+
+    cfg, params = tiny
+    first = make_engine(cfg, params, max_num_seqs=3, decode_buckets=(3,))
+    assert first.runner.num_compilations() > 0
+    twin = Engine(cfg, params, None, EngineConfig(
+        max_model_len=96, max_num_seqs=3, page_size=4, max_num_batched_tokens=32,
+        prefill_buckets=((1, 8), (4, 16)), decode_buckets=(3,), max_logprobs=2))
+    assert twin.runner.programs is first.runner.programs  # same shape: compiled once
+    ref = weakref.ref(first.runner.programs)
+    del first, twin
+    for n in range(StepPrograms.KEEP_RECENT):  # other shapes push it out of the recent set
+        Engine(cfg, params, None, EngineConfig(
+            max_model_len=96, max_num_seqs=5 + n, page_size=4, max_num_batched_tokens=32,
+            prefill_buckets=((1, 8),), decode_buckets=(5 + n,)))
+    gc.collect()
+    assert ref() is None

@@ -1,6 +1,5 @@
 """Speculative decoding inside the engine: greedy output identical to plain decoding."""
 
-import os
 
 import numpy as np
 import pytest
@@ -162,19 +161,18 @@ def test_speculation_with_preemption_and_prefix_cache(tiny):
 
 def run_counting_steps(eng, prompts, sps):
     """run_all, recording for every call of the jitted step whether it verified."""
-    from llmserve import runner as runner_mod
-
-    calls, real = [], runner_mod._jit_step
+    programs = eng.runner.programs
+    calls, real = [], programs.step
 
     def counted(*args, **kw):
         calls.append(args[3].verify)
         return real(*args, **kw)
 
-    runner_mod._jit_step = counted
+    programs.step = counted
     try:
         return run_all(eng, prompts, sps), calls
     finally:
-        runner_mod._jit_step = real
+        programs.step = real
 
 
 def test_verify_rows_share_one_step_with_prefill(tiny):
@@ -245,9 +243,6 @@ def _random_head(cfg, vd=None, seed=0):
     return ecfg, eagle.init_head_params(ecfg, seed=seed), vocab_map
 
 
-@pytest.mark.skipif(os.environ.get("CI") == "true", reason=(
-    "XLA:CPU aborts compiling the EAGLE step deep into the full CI run (passes alone); "
-    "run locally: pytest tests/test_spec_engine.py -k eagle"))
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_eagle_head_in_the_step_greedy_identical(tiny, adaptive):
     """An EAGLE head runs inside the one jitted step (one call per engine step, nothing
@@ -269,9 +264,6 @@ def test_eagle_head_in_the_step_greedy_identical(tiny, adaptive):
     assert eng.blocks.all_free()
 
 
-@pytest.mark.skipif(os.environ.get("CI") == "true", reason=(
-    "XLA:CPU aborts compiling the EAGLE step deep into the full CI run (passes alone); "
-    "run locally: pytest tests/test_spec_engine.py -k eagle"))
 def test_eagle_head_drafts_follow_the_head():
     """The drafts the step leaves for a slot are the head's own chain: a head whose draft
     vocabulary is one token always proposes that token."""
@@ -292,9 +284,6 @@ def test_eagle_head_drafts_follow_the_head():
     assert eng.stats["spec_proposed"] > 0
 
 
-@pytest.mark.skipif(os.environ.get("CI") == "true", reason=(
-    "XLA:CPU aborts compiling the EAGLE step deep into the full CI run (passes alone); "
-    "run locally: pytest tests/test_spec_engine.py -k eagle"))
 def test_eagle_drafts_in_the_engine_equal_the_training_forward(tiny):
     """After every step, a slot's drafts are the head's chain from the sequence's newest
     token, as the training-time (dense, whole-sequence) forward computes it from the target's
