@@ -386,19 +386,22 @@ class StepPrograms:
                 + self.init_rows._cache_size())
 
 
-_LIVE_PROGRAMS: "weakref.WeakValueDictionary[tuple, StepPrograms]" = weakref.WeakValueDictionary()
-_RECENT_PROGRAMS: "collections.OrderedDict[tuple, StepPrograms]" = collections.OrderedDict()
+_LIVE_PROGRAMS: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
+_RECENT_PROGRAMS: "dict[type, collections.OrderedDict]" = {}
 
 
-def programs_for(key: tuple) -> StepPrograms:
-    """The StepPrograms for an engine shape ``key`` (hashable): shared while an engine with that
-    key lives, or while the key is among the last KEEP_RECENT asked for."""
-    programs = _LIVE_PROGRAMS.get(key) or _RECENT_PROGRAMS.get(key) or StepPrograms()
+def programs_for(key: tuple, factory=StepPrograms):
+    """The programs object (``factory()``: StepPrograms, or a proposer's) for an engine shape
+    ``key`` (hashable): shared while an engine holding it lives, or while the key is among the
+    last ``KEEP_RECENT`` of its kind asked for."""
+    key = (factory, *key)
+    recent = _RECENT_PROGRAMS.setdefault(factory, collections.OrderedDict())
+    programs = _LIVE_PROGRAMS.get(key) or recent.get(key) or factory()
     _LIVE_PROGRAMS[key] = programs
-    _RECENT_PROGRAMS[key] = programs
-    _RECENT_PROGRAMS.move_to_end(key)
-    while len(_RECENT_PROGRAMS) > StepPrograms.KEEP_RECENT:
-        _RECENT_PROGRAMS.popitem(last=False)
+    recent[key] = programs
+    recent.move_to_end(key)
+    while len(recent) > StepPrograms.KEEP_RECENT:
+        recent.popitem(last=False)
     return programs
 
 

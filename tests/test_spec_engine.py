@@ -343,3 +343,29 @@ def test_eagle_drafts_in_the_engine_equal_the_training_forward(tiny):
                                      table, greedy, ecfg=ecfg, num_draft=2, with_probs=False)
         chains.append(np.array_equal(np.asarray(out.tokens[0]), d))
     assert sum(chains) >= 0.9 * len(chains), chains
+
+
+def test_dropped_draft_engine_frees_the_draft_programs(tiny):
+    """A draft model's jitted programs belong to its engine, like the target's: once the
+    engine is dropped and other shapes are built, they are freed."""
+    import gc
+    import weakref
+
+    from llmserve.runner import StepPrograms
+
+    cfg, params = tiny
+
+    def build(r):
+        return Engine(cfg, params, None, EngineConfig(
+            max_model_len=96, max_num_seqs=4, page_size=4, max_num_batched_tokens=32,
+            prefill_buckets=((1, 8),), decode_buckets=(4,), speculative_config={
+                "method": "draft", "model": (cfg, params), "num_speculative_tokens": r}))
+
+    eng = build(2)
+    assert build(2).proposer.programs is eng.proposer.programs  # same shape: shared
+    ref = weakref.ref(eng.proposer.programs)
+    del eng
+    for r in range(StepPrograms.KEEP_RECENT):
+        build(3 + r)
+    gc.collect()
+    assert ref() is None

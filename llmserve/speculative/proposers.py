@@ -12,6 +12,7 @@ lengths back with ``accepted``. Prompt chunks and copy-on-write copies are mirro
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Protocol, Sequence
 
 import jax
@@ -20,7 +21,13 @@ import numpy as np
 
 from llmserve.config import ModelConfig
 from llmserve.kv_cache import PagedKVCache
-from llmserve.runner import StepInput, copy_cache_pages, padded_page_pairs, part_arrays
+from llmserve.runner import (
+    StepInput,
+    copy_cache_pages,
+    padded_page_pairs,
+    part_arrays,
+    programs_for,
+)
 from llmserve.speculative.draft import draft_prefill, draft_propose
 from llmserve.speculative.ngram import NgramProposer
 
@@ -175,6 +182,24 @@ def load_eagle_head(model, dtype: str):
     return load_eagle(path, dtype=dtype)
 
 
+class DraftPrograms:
+    """A draft model's jitted prefill, propose and page copy, owned by its proposer's engine
+    (like the runner's StepPrograms: dropped engines free their executables)."""
+
+    def __init__(self):
+        self.prefill = jax.jit(functools.partial(draft_prefill.__wrapped__),
+                               static_argnames=("cfg", "backend"), donate_argnames=("cache",))
+        self.propose = jax.jit(functools.partial(draft_propose.__wrapped__),
+                               static_argnames=("cfg", "k", "backend"),
+                               donate_argnames=("cache",))
+        self.copy_pages = jax.jit(functools.partial(copy_cache_pages.__wrapped__),
+                                  donate_argnames=("cache",))
+
+    def num_compilations(self) -> int:
+        return (self.prefill._cache_size() + self.propose._cache_size()
+                + self.copy_pages._cache_size())
+
+
 class DraftModelProposer:
     """A small llmserve model as the proposer; owns its paged KV cache (target's page ids).
 
@@ -203,6 +228,10 @@ class DraftModelProposer:
             self.put = shardings.replicate
         self.seen: dict[int, int] = {}
         self._pos0: list[int] = []  # per row of the last proposal: where draft 0 sat
+        # Its own jitted programs (freed with the engine; see runner.StepPrograms).
+        self.programs = programs_for((cfg, backend, num_speculative_tokens, num_pages,
+                                      page_size, None if shardings is None else id(shardings)),
+                                     DraftPrograms)
 
     def propose(self, seqs: Sequence, room: np.ndarray) -> Proposal:
         return Proposal(num_draft=np.asarray(room[: len(seqs)], np.int32))
@@ -236,9 +265,9 @@ class DraftModelProposer:
                     self.seen[seq.seq_id] = hi
             if not n_valid.any():
                 return
-            self.cache = draft_prefill(self.params, self.cache,
-                                       *self.put((chunk, start, n_valid, tables)),
-                                       cfg=self.cfg, backend=self.backend)
+            self.cache = self.programs.prefill(self.params, self.cache,
+                                               *self.put((chunk, start, n_valid, tables)),
+                                               cfg=self.cfg, backend=self.backend)
 
     def drafts(self, seqs: Sequence, batch: StepInput):
         tables = batch.parts[0].block_tables
@@ -247,21 +276,22 @@ class DraftModelProposer:
         self._pos0 = [int(q + n) for q, n in zip(q_start[: len(seqs)], n_valid)]
         bv = tables.shape[0]
         arrays = jax.tree_util.tree_map(lambda x: x[:bv], batch.sampling)
-        out, self.cache = draft_propose(self.params, self.cache,
-                                        *self.put((tail, q_start, n_valid, tables, arrays)),
-                                        cfg=self.cfg, k=self.num_speculative_tokens,
-                                        backend=self.backend)
+        out, self.cache = self.programs.propose(
+            self.params, self.cache, *self.put((tail, q_start, n_valid, tables, arrays)),
+            cfg=self.cfg, k=self.num_speculative_tokens, backend=self.backend)
         return out.tokens, out.probs
 
     def prefill(self, batch: StepInput, part: int, chunks: Sequence) -> None:
-        self.cache = draft_prefill(self.params, self.cache, *self.put(part_arrays(batch, part)),
-                                   cfg=self.cfg, backend=self.backend)
+        self.cache = self.programs.prefill(self.params, self.cache,
+                                           *self.put(part_arrays(batch, part)),
+                                           cfg=self.cfg, backend=self.backend)
         for c in chunks:
             self.seen[c.seq.seq_id] = c.start + c.length
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         if pairs:
-            self.cache = copy_cache_pages(self.cache, *self.put(padded_page_pairs(pairs)))
+            self.cache = self.programs.copy_pages(self.cache,
+                                                  *self.put(padded_page_pairs(pairs)))
 
     def accepted(self, seqs: Sequence, num_accepted: np.ndarray) -> None:
         # Drafts 0..D-2 were written at pos0 + j; those accepted are right, the rest are not.
@@ -280,9 +310,9 @@ class DraftModelProposer:
         for b in runner.verify_buckets:
             tables = np.zeros((b, runner.pages_per_seq), np.int32)
             zeros = np.zeros((b, CATCH_UP), np.int32)
-            self.cache = draft_prefill(self.params, self.cache,
-                                       *self.put((zeros, zeros[:, 0], zeros[:, 0], tables)),
-                                       cfg=self.cfg, backend=self.backend)
+            self.cache = self.programs.prefill(
+                self.params, self.cache, *self.put((zeros, zeros[:, 0], zeros[:, 0], tables)),
+                cfg=self.cfg, backend=self.backend)
             self.drafts([], runner.empty_batch((b, None, w)))
         self.copy_pages([(0, 0)])
 
@@ -292,4 +322,4 @@ class DraftModelProposer:
         self.seen.clear()
 
     def num_compilations(self) -> int:
-        return draft_prefill._cache_size() + draft_propose._cache_size()
+        return self.programs.num_compilations()
