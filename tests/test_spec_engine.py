@@ -118,7 +118,7 @@ def test_bad_speculative_config(tiny):
 def test_never_slower_policy():
     from llmserve.speculative import SpeculationPolicy
 
-    pol = SpeculationPolicy(4, prior=0.6)
+    pol = SpeculationPolicy(4, prior=0.6, prior_after=0.6)
     pol.time("decode", 8, 0.010)
     pol.time("verify", 8, 0.015)  # 1.5x a decode step: 2.3 expected tokens wins
     assert pol.speculate([1, 2], 8, 8)
@@ -142,6 +142,29 @@ def test_never_slower_policy():
         pol.tick([1])
     pol.record(1, 4, 4)
     assert pol.proposes(1)
+
+
+def test_policy_learns_correlated_acceptance_engine_wide():
+    """Per-position acceptance given the earlier drafts: a row that copies keeps copying, so
+    after such rows a new request expects more than one per-token rate would predict, and a
+    verify step that emitted ~2.5 tokens per row at 1.9x a decode step is chosen."""
+    from llmserve.speculative import SpeculationPolicy
+
+    pol = SpeculationPolicy(4)
+    pol.time("decode", 16, 0.055)
+    pol.time("verify", 16, 0.105)  # 1.9x: the measured SmolLM2 bf16 ratio at batch 16
+    fresh = pol.expected_tokens(99)
+    for step in range(12):  # rows that accept all 4 drafts half the time, else none
+        for seq in range(16):
+            pol.record(seq, 4, 4 if (seq + step) % 2 else 0)
+    # p_0 ~ 0.5, later positions ~ 1: 1 + .5 + .5 + .5 + .5 = 3 tokens; a per-token rate of 0.5
+    # with independent positions would say 1.94.
+    assert 2.6 < pol.expected_tokens(0) <= 3.0
+    assert pol.expected_tokens(100) > fresh  # a new request starts from what the engine learned
+    assert pol.speculate(list(range(100, 116)), 16, 16)
+    for seq in range(16):
+        pol.forget(seq)
+    assert not pol.rate and not pol.steps
 
 
 def test_speculation_with_preemption_and_prefix_cache(tiny):
