@@ -16,12 +16,9 @@ place.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
 import itertools
 import os
-import weakref
 from typing import Optional, Sequence
 
 import flax.struct
@@ -33,6 +30,7 @@ from llmserve import sampling
 from llmserve.config import ModelConfig
 from llmserve.kv_cache import DUMMY_PAGE, PagedKVCache, PartMetadata, RaggedMetadata
 from llmserve.model import Transformer
+from llmserve.programs import owned_jit, programs_for
 from llmserve.speculative.verify import verify
 
 Array = jax.Array
@@ -349,60 +347,25 @@ def _init_sampler_rows(sstate: SamplerState, slots: Array, ids: Array, n_prompt:
                         prompt_mask=sstate.prompt_mask.at[slots].set(pmask))
 
 
-def _copy_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
+def copy_cache_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
+    """Copy-on-write (jitted with the cache donated, in place): page src[i] into dst[i]."""
     return cache.copy_pages(src, dst)
 
 
-# Copy-on-write in place (the cache is donated): page src[i] into dst[i]. Public for a draft
-# model's own cache; the runner's cache goes through its StepPrograms.
-copy_cache_pages = jax.jit(_copy_pages, donate_argnames=("cache",))
-
-
 class StepPrograms:
-    """The jitted programs of one engine shape: the step, the page copy, the penalty-row init.
-
-    They are jax.jit objects of this instance, not module-level ones, so their executables die
-    with the engines that use them: XLA:CPU maps every executable's machine code into the
-    process (about 450 memory maps per step shape), and with process-wide compile caches a
-    sweep or a test run that built engine after engine in one process reached the kernel's
-    ``vm.max_map_count`` (65,530) and crashed inside XLA's compiler. ``programs_for`` shares one
-    instance among engines of the same shape while any lives, and keeps the last
-    ``KEEP_RECENT`` shapes after their engines are gone (sweeps and tests rebuild them).
-    """
-
-    KEEP_RECENT = 2
+    """The jitted programs of one engine shape: the step, the page copy, the penalty-row init
+    (owned by the engine: see ``llmserve.programs``)."""
 
     def __init__(self):
-        self.step = jax.jit(functools.partial(_step),
-                            static_argnames=("cfg", "backend", "num_logprobs", "min_rows",
-                                             "eagle_cfg"),
-                            donate_argnames=("cache", "sstate", "eagle"))
-        self.copy_pages = jax.jit(functools.partial(_copy_pages), donate_argnames=("cache",))
-        self.init_rows = jax.jit(functools.partial(_init_sampler_rows),
-                                 donate_argnames=("sstate",))
+        self.step = owned_jit(_step, static_argnames=("cfg", "backend", "num_logprobs",
+                                                      "min_rows", "eagle_cfg"),
+                              donate_argnames=("cache", "sstate", "eagle"))
+        self.copy_pages = owned_jit(copy_cache_pages, donate_argnames=("cache",))
+        self.init_rows = owned_jit(_init_sampler_rows, donate_argnames=("sstate",))
 
     def num_compilations(self) -> int:
         return (self.step._cache_size() + self.copy_pages._cache_size()
                 + self.init_rows._cache_size())
-
-
-_LIVE_PROGRAMS: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
-_RECENT_PROGRAMS: "dict[type, collections.OrderedDict]" = {}
-
-
-def programs_for(key: tuple, factory=StepPrograms):
-    """The programs object (``factory()``: StepPrograms, or a proposer's) for an engine shape
-    ``key`` (hashable): shared while an engine holding it lives, or while the key is among the
-    last ``KEEP_RECENT`` of its kind asked for."""
-    key = (factory, *key)
-    recent = _RECENT_PROGRAMS.setdefault(factory, collections.OrderedDict())
-    programs = _LIVE_PROGRAMS.get(key) or recent.get(key) or factory()
-    _LIVE_PROGRAMS[key] = programs
-    recent[key] = programs
-    recent.move_to_end(key)
-    while len(recent) > StepPrograms.KEEP_RECENT:
-        recent.popitem(last=False)
-    return programs
 
 
 def padded_page_pairs(pairs: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -479,7 +442,7 @@ class Runner:
         self.programs = programs_for((
             cfg, backend, num_logprobs, self.min_rows, self.eagle_cfg, max_slots, num_pages,
             page_size, self.pages_per_seq, tuple(self.step_shapes()),
-            None if shardings is None else id(shardings)))
+            None if shardings is None else id(shardings)), StepPrograms)
 
     # ------------------------------------------------------------------ shapes
     def decode_bucket(self, n: int, mixed: bool = False, verify: bool = False) -> int:
@@ -665,8 +628,8 @@ class Runner:
         """The step for ``batch``'s shape, lowered (``.compile().as_text()`` is its HLO after
         partitioning: what experiments/sharding.py and the tests read for collectives)."""
         return self.programs.step.lower(self.params, self.cache, self.sstate, self.put(batch),
-                               cfg=self.cfg, backend=self.backend,
-                               num_logprobs=self.num_logprobs, min_rows=self.min_rows)
+                                        cfg=self.cfg, backend=self.backend,
+                                        num_logprobs=self.num_logprobs, min_rows=self.min_rows)
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates page src into dst for each pair (padded to a bucket)."""

@@ -270,7 +270,7 @@ def test_dropped_engines_free_their_compiled_programs(tiny):
     import gc
     import weakref
 
-    from llmserve.runner import StepPrograms
+    from llmserve.programs import KEEP_RECENT
 
     cfg, params = tiny
     first = make_engine(cfg, params, max_num_seqs=3, decode_buckets=(3,))
@@ -281,7 +281,7 @@ def test_dropped_engines_free_their_compiled_programs(tiny):
     assert twin.runner.programs is first.runner.programs  # same shape: compiled once
     ref = weakref.ref(first.runner.programs)
     del first, twin
-    for n in range(StepPrograms.KEEP_RECENT):  # other shapes push it out of the recent set
+    for n in range(KEEP_RECENT):  # other shapes push it out of the recent set
         Engine(cfg, params, None, EngineConfig(
             max_model_len=96, max_num_seqs=5 + n, page_size=4, max_num_batched_tokens=32,
             prefill_buckets=((1, 8),), decode_buckets=(5 + n,)))

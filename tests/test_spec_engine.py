@@ -374,7 +374,7 @@ def test_dropped_draft_engine_frees_the_draft_programs(tiny):
     import gc
     import weakref
 
-    from llmserve.runner import StepPrograms
+    from llmserve.programs import KEEP_RECENT
 
     cfg, params = tiny
 
@@ -388,7 +388,7 @@ def test_dropped_draft_engine_frees_the_draft_programs(tiny):
     assert build(2).proposer.programs is eng.proposer.programs  # same shape: shared
     ref = weakref.ref(eng.proposer.programs)
     del eng
-    for r in range(StepPrograms.KEEP_RECENT):
+    for r in range(KEEP_RECENT):
         build(3 + r)
     gc.collect()
     assert ref() is None

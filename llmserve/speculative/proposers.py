@@ -12,7 +12,6 @@ lengths back with ``accepted``. Prompt chunks and copy-on-write copies are mirro
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional, Protocol, Sequence
 
 import jax
@@ -21,13 +20,8 @@ import numpy as np
 
 from llmserve.config import ModelConfig
 from llmserve.kv_cache import PagedKVCache
-from llmserve.runner import (
-    StepInput,
-    copy_cache_pages,
-    padded_page_pairs,
-    part_arrays,
-    programs_for,
-)
+from llmserve.programs import owned_jit, programs_for
+from llmserve.runner import StepInput, copy_cache_pages, padded_page_pairs, part_arrays
 from llmserve.speculative.draft import draft_prefill, draft_propose
 from llmserve.speculative.ngram import NgramProposer
 
@@ -187,13 +181,13 @@ class DraftPrograms:
     (like the runner's StepPrograms: dropped engines free their executables)."""
 
     def __init__(self):
-        self.prefill = jax.jit(functools.partial(draft_prefill.__wrapped__),
-                               static_argnames=("cfg", "backend"), donate_argnames=("cache",))
-        self.propose = jax.jit(functools.partial(draft_propose.__wrapped__),
-                               static_argnames=("cfg", "k", "backend"),
-                               donate_argnames=("cache",))
-        self.copy_pages = jax.jit(functools.partial(copy_cache_pages.__wrapped__),
-                                  donate_argnames=("cache",))
+        # The module-level jits stay for direct callers; these are this engine's own.
+        self.prefill = owned_jit(draft_prefill.__wrapped__, static_argnames=("cfg", "backend"),
+                                 donate_argnames=("cache",))
+        self.propose = owned_jit(draft_propose.__wrapped__,
+                                 static_argnames=("cfg", "k", "backend"),
+                                 donate_argnames=("cache",))
+        self.copy_pages = owned_jit(copy_cache_pages, donate_argnames=("cache",))
 
     def num_compilations(self) -> int:
         return (self.prefill._cache_size() + self.propose._cache_size()
