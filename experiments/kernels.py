@@ -53,6 +53,7 @@ common.quiet_startup()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from llmserve.ops import cpu_kernels as cpa  # noqa: E402
 from llmserve.ops import flash_attention as fa  # noqa: E402
 from llmserve.ops import paged_attention as pa  # noqa: E402
 
@@ -135,10 +136,14 @@ def cpu_times() -> list[dict]:
         args = (q, k, v, jnp.zeros(1, jnp.int32), jnp.full(1, t, jnp.int32))
         ms = time_ms(jax.jit(fa.flash_attention_xla), *args, iters=cfg.iters)
         rows.append(dict(kind="prefill", backend="xla", tokens=t, ms=ms))
+    decode = {"xla": pa.paged_attention_xla}
+    if cpa.available():
+        decode["cpu"] = cpa.paged_attention_cpu
     for b, ctx in (tuple(int(x) for x in bc.split("x")) for bc in cfg.cpu_decode.split(",")):
         args = paged_inputs(b, ctx, jnp.float32, cfg.page_size)
-        ms = time_ms(jax.jit(pa.paged_attention_xla), *args, iters=cfg.iters)
-        rows.append(dict(kind="decode", backend="xla", batch=b, context=ctx, ms=ms))
+        for backend, fn in decode.items():
+            ms = time_ms(jax.jit(fn), *args, iters=cfg.iters)
+            rows.append(dict(kind="decode", backend=backend, batch=b, context=ctx, ms=ms))
     for r in rows:
         print(r)
     return rows
@@ -211,6 +216,8 @@ def decode_roof(extra: dict[str, Callable] | None = None) -> list[dict]:
         for c in _ints(cfg.decode_chunks):
             f = jax.jit(lambda *a, c=c: pa.paged_attention_xla(*a, pages_per_chunk=c))
             fns[f"paged_xla_c{c}"] = (f, args)
+        if cpa.available():
+            fns["paged_cpu_native"] = (jax.jit(cpa.paged_attention_cpu), args)
         for key, f in (extra or {}).items():
             fns[key] = (jax.jit(f), args)
         best = {name: float("inf") for name in fns}
@@ -319,11 +326,13 @@ def gpu_decode() -> list[dict]:
 
 
 def plot(path: str, results: dict) -> str:
-    """Compiled temp memory, naive vs ours (log scale); on GPU also prefill/decode speed."""
+    """Compiled temp memory, naive vs ours (log scale); on GPU also prefill/decode speed, on CPU
+    decode attention against its memory roof."""
     plt = common.pyplot()
     gpu = "prefill" in results
-    fig, axes = plt.subplots(1, 3 if gpu else 1, figsize=(16 if gpu else 6.5, 4.2),
-                             squeeze=False)
+    roof = [r for r in results.get("roof", []) if r.get("kind") == "decode_roof"]
+    fig, axes = plt.subplots(1, 3 if gpu else 1 + bool(roof),
+                             figsize=(16 if gpu else 6.5 * (1 + bool(roof)), 4.2), squeeze=False)
     mem = results["memory"]
     ax = axes[0][0]
     ax.plot([r["tokens"] for r in mem], [r["naive_temp_bytes"] / 2**20 for r in mem], "o-",
@@ -336,6 +345,22 @@ def plot(path: str, results: dict) -> str:
     ax.set(xscale="log", yscale="log", xlabel="tokens (B=1)", ylabel="compiled temp MiB",
            title="attention scratch memory (memory, CPU compile)")
     ax.legend(fontsize=8)
+    if roof and not gpu:
+        ax = axes[0][1]
+        whats = list(dict.fromkeys(r["what"] for r in roof if r["what"] != "copy"))
+        dtypes = list(dict.fromkeys(r["dtype"] for r in roof))
+        width = 0.8 / len(dtypes)
+        for i, dt in enumerate(dtypes):
+            ratio = {r["what"]: r["ratio"] for r in roof if r["dtype"] == dt}
+            ax.bar([j + i * width for j in range(len(whats))], [ratio[w] for w in whats], width,
+                   label=dt)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(1.5, color="k", lw=0.8, ls="--", label="1.5x roof (target)")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(whats))], whats, rotation=20,
+                      fontsize=8)
+        b, ctx = roof[0]["batch"], roof[0]["context"]
+        ax.set(ylabel="time / roof", title=f"decode attention vs memory roof (B={b}, ctx={ctx})")
+        ax.legend(fontsize=8)
     if gpu:
         for ax, kind, x, y in ((axes[0][1], "prefill", "tokens", "tflops"),
                                (axes[0][2], "decode", "context", "gbps")):
@@ -384,8 +409,9 @@ def main(argv):
                     [r["ours_speedup"] for r in results[kind] if r["backend"] == backend
                      and "ours_speedup" in r]))
     for r in results.get("roof", []):
-        if r.get("kind") == "decode_roof" and r["what"].startswith("paged_xla"):
-            key = f"decode_roof_ratio_{r['dtype']}"
+        if r.get("kind") == "decode_roof" and r["what"].startswith("paged_"):
+            kind = "native" if r["what"] == "paged_cpu_native" else "xla"
+            key = f"decode_roof_ratio_{kind}_{r['dtype']}"
             summary[key] = min(summary.get(key, float("inf")), r["ratio"])
     notes = ["CPU: flash attention measured as memory (compiled temp bytes), not speed"]
     table = common.markdown_table(

@@ -196,12 +196,12 @@ class StepProbe:
     def _timed(self, fn: Callable, kind_of: Callable) -> Callable:
         import jax
 
-        def timed(arg):
+        def timed(arg, *rest):
             kind = kind_of(arg)
             if kind is None:
-                return fn(arg)
+                return fn(arg, *rest)
             t0 = time.perf_counter()
-            out = jax.block_until_ready(fn(arg))
+            out = jax.block_until_ready(fn(arg, *rest))
             self.times[kind] += time.perf_counter() - t0
             self.calls[kind] = self.calls.get(kind, 0) + 1
             return out
@@ -263,10 +263,13 @@ def run_llmserve(cfg, llm, workload: list[Request]) -> dict:
             "_tokens": tokens}
 
 
-def step_times(llm, iters: int = 3) -> dict:
+def step_times(llm, iters: int = 3, context: int = 0) -> dict:
     """Median seconds of one decode step per batch bucket, and of one prefill step per
-    (rows, chunk) bucket, timed on all-padding inputs (fixed shapes: the cost of a real step).
+    (rows, chunk) bucket (fixed shapes: the cost of a real step).
 
+    Decode rows attend over ``context`` keys each, on distinct pages (the workload's mean
+    context: attention is part of a real step's cost; all-padding rows would attend to
+    nothing and make the "ideal" schedule too cheap). Prefill steps are all padding.
     Reads the runner's bucket lists; returns {} when the runner does not expose them.
     """
     import jax
@@ -277,15 +280,34 @@ def step_times(llm, iters: int = 3) -> dict:
         return {}
 
     def timed(shape):
+        batch = runner.empty_batch(shape)
+        if shape[1] is None and context > 0:
+            batch = with_context(batch, context, runner.cache.num_pages, runner.cache.page_size)
         out = []
         for _ in range(iters + 1):  # the first call may still allocate: not counted
             t0 = time.perf_counter()
-            jax.block_until_ready(runner.run(runner.empty_batch(shape)).tokens)
+            jax.block_until_ready(runner.run(batch).tokens)
             out.append(time.perf_counter() - t0)
         return float(np.median(out[1:]))
 
     return {"decode": {int(b): timed((b, None)) for b in runner.decode_buckets},
             "prefill": {f"{b}x{c}": timed((0, (b, c))) for b, c in runner.prefill_buckets}}
+
+
+def with_context(batch, context: int, num_pages: int, page_size: int):
+    """A padding decode batch whose rows each attend over ``context`` keys on distinct pages
+    (the step's K/V writes still go to the dummy page: the cache is left as it was)."""
+    import numpy as np
+
+    part = batch.parts[0]
+    b, m = part.block_tables.shape
+    need = min(-(-context // page_size), m)
+    tables = np.zeros((b, m), np.int32)
+    tables[:, :need] = (1 + np.arange(b * need) % (num_pages - 1)).reshape(b, need)
+    ctx = min(context, need * page_size)
+    part = part.replace(q_start=np.full(b, ctx - 1, np.int32), lengths=np.full(b, ctx, np.int32),
+                        block_tables=tables)
+    return batch.replace(parts=(part,) + tuple(batch.parts[1:]))
 
 
 def step_kind(batch) -> str:
@@ -648,7 +670,11 @@ def main(argv) -> None:
     ideal: list[Optional[dict]] = [None] * cfg.repeats
     times = {}
     if cfg.ideal and "llmserve_continuous" in llms:
-        times = step_times(llms["llmserve_continuous"])
+        # Mean context of a decode step: the prompt plus, on average, half the output.
+        wl = workloads[seed_of(0)]
+        context = round(sum(len(r.prompt_ids) + r.max_tokens / 2 for r in wl) / len(wl))
+        times = step_times(llms["llmserve_continuous"], context=context)
+        times["context"] = context
         ideal = [ideal_schedule(workloads[seed_of(r)], cfg.llmserve.max_num_seqs, times)
                  for r in range(cfg.repeats)]
     rows = aggregate(runs)

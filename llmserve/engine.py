@@ -55,7 +55,7 @@ class EngineConfig:
     # "paged": pages as a sequence grows; "contiguous": max_model_len reserved at admission
     # (the pre-PagedAttention baseline, for ablations; see block_manager.py)
     kv_reservation: str = "paged"
-    backend: Optional[str] = None  # "xla" | "pallas" | "pallas_interpret" | "reference"
+    backend: Optional[str] = None  # None: ops.attention.default_backend() ("cpu" on CPU)
     max_logprobs: int = 5
     seed: int = 0
     speculative_config: Optional[dict] = None  # {"method": "ngram"|"draft", "model": ..., K}

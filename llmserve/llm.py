@@ -161,16 +161,26 @@ def _speculative_kwargs(engine_kwargs: dict, model, num_tokens) -> dict:
 
 
 def _check_backend_here(backend: str) -> None:
-    """The compiled Pallas backend needs a GPU; say so before anything is loaded."""
+    """The compiled Pallas backend needs a GPU and the "cpu" backend a CPU with its native
+    kernel built; say so before anything is loaded."""
     import jax
 
+    from llmserve.ops import cpu_kernels
     from llmserve.ops.attention import check_backend
 
     check_backend(backend)
     if backend == "pallas" and jax.default_backend() != "gpu":
         raise ValueError(f"backend='pallas' compiles Triton kernels and needs a GPU; this "
                          f"machine runs jax on {jax.default_backend()!r}. Use 'pallas_interpret' "
-                         "(the same kernels, interpreted) or 'xla' on CPU")
+                         "(the same kernels, interpreted), 'cpu' or 'xla' on CPU")
+    if backend == "cpu":
+        if jax.default_backend() != "cpu":
+            raise ValueError(f"backend='cpu' runs a native CPU kernel; this machine runs jax on "
+                             f"{jax.default_backend()!r}: use 'pallas' or 'xla'")
+        reason = cpu_kernels.unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"backend='cpu' needs its native kernel, which cannot be built "
+                             f"here ({reason}); use 'xla'")
 
 
 def _as_prompt_list(prompts) -> list:

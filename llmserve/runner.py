@@ -168,13 +168,15 @@ def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, ba
     return logits[0, :r], cache
 
 
-def _top_logprobs(logits: Array, num_logprobs: int) -> tuple[Array, Array]:
+def _top_logprobs(logits: Array, num_logprobs: int,
+                  fixed_order: bool = False) -> tuple[Array, Array]:
     """The ``num_logprobs`` most likely raw tokens of logits [..., V] and their logprobs."""
     if num_logprobs == 0:
         shape = logits.shape[:-1] + (0,)
         return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
     vals, ids = jax.lax.top_k(logits, num_logprobs)
-    lse = sampling.logsumexp(logits.reshape(-1, logits.shape[-1])).reshape(logits.shape[:-1])
+    lse = sampling.logsumexp(logits.reshape(-1, logits.shape[-1]), fixed_order)
+    lse = lse.reshape(logits.shape[:-1])
     return ids.astype(jnp.int32), vals - lse[..., None]
 
 
@@ -196,6 +198,7 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
     emitted, from its newest token; a slot's next verify step reads them here on the device.
     """
     hidden = None
+    fixed_order = min_rows > 1  # the batch-invariant mode: logprobs in a fixed order too
     if eagle is not None and inp.verify:
         drafts = eagle.drafts[inp.slot_ids[: inp.parts[0].block_tables.shape[0]]]
     # A sequence's sampler row was filled from its tokens when it was (re)admitted
@@ -208,7 +211,7 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
                                          min_rows=min_rows, return_hidden=eagle is not None)
         logits = suppress(logits[:, None], inp)[:, 0]  # [R, V]
         out = sampling.sample(logits, inp.sampling, inp.sample_pos, counts, pmask,
-                              num_logprobs=num_logprobs)
+                              num_logprobs=num_logprobs, fixed_order=fixed_order)
         counts = sampling.update_counts(counts, out.tokens, inp.emit)
         result = StepOutput(tokens=out.tokens[:, None], logprobs=out.logprobs[:, None],
                             top_ids=out.top_ids[:, None], top_logprobs=out.top_logprobs[:, None],
@@ -232,8 +235,8 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         vlogits = suppress(logits[: bv * w].reshape(bv, w, v), head(rows))  # [Bv, 1 + D, V]
         ver = verify(inp.tokens[: bv * w].reshape(bv, w)[:, 1:], draft_probs, vlogits,
                      head(inp.sampling), part.q_start + 1, counts[:bv], pmask[:bv],
-                     num_draft=inp.num_draft[:bv])
-        top_ids, top_lp = _top_logprobs(vlogits, num_logprobs)  # [Bv, 1 + D, n]
+                     num_draft=inp.num_draft[:bv], fixed_order=fixed_order)
+        top_ids, top_lp = _top_logprobs(vlogits, num_logprobs, fixed_order)  # [Bv, 1 + D, n]
         emitted = (ver.out_tokens >= 0) & inp.emit[:bv, None]
         vcounts = counts[:bv].at[jnp.arange(bv)[:, None], jnp.maximum(ver.out_tokens, 0)].add(
             emitted.astype(jnp.int32))
@@ -245,7 +248,8 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
             # zero rows are left out of its program altogether)
             rlogits = suppress(logits[bv * w:][:, None], tail(rows))[:, 0]  # [R - Bv, V]
             out = sampling.sample(rlogits, tail(inp.sampling), inp.sample_pos[bv:],
-                                  counts[bv:], pmask[bv:], num_logprobs=num_logprobs)
+                                  counts[bv:], pmask[bv:], num_logprobs=num_logprobs,
+                                  fixed_order=fixed_order)
             rcounts = sampling.update_counts(counts[bv:], out.tokens, inp.emit[bv:])
             new_counts = jnp.concatenate([vcounts, rcounts])
             pad = lambda x, fill: jnp.pad(  # noqa: E731

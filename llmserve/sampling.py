@@ -168,8 +168,18 @@ def argmax(x: Array) -> Array:
     return jnp.min(jnp.where(x == top, iota, jnp.inf), axis=-1).astype(jnp.int32)
 
 
-def logsumexp(x: Array) -> Array:
-    """Row log-sum-exp [B, V] -> [B] for finite rows (raw model logits); cheaper than jax.nn's."""
+def logsumexp(x: Array, fixed_order: bool = False) -> Array:
+    """Row log-sum-exp [B, V] -> [B] for finite rows (raw model logits); cheaper than jax.nn's.
+
+    ``fixed_order`` (the batch-invariant mode): on CPU, the native kernel that reduces every row
+    in the same order whatever program it sits in (XLA:CPU's exp and sum differ by an ulp between
+    fusions, e.g. a decode step's and a verify step's); elsewhere the plain path.
+    """
+    if fixed_order and jax.default_backend() == "cpu":
+        from llmserve.ops import cpu_kernels
+
+        if cpu_kernels.available():
+            return cpu_kernels.row_logsumexp_cpu(x.astype(jnp.float32))
     top = jnp.max(x, axis=-1)  # [B]
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     return top + jnp.log(jnp.sum(jnp.exp(x - top[:, None]), axis=-1))
@@ -374,6 +384,7 @@ def sample(
     prompt_mask: Array | None = None,
     *,
     num_logprobs: int = 0,
+    fixed_order: bool = False,
 ) -> SampleOutput:
     """Draws one token per row.
 
@@ -382,7 +393,8 @@ def sample(
     softmax(process_logits(...)) by inverse CDF on one uniform from
     `request_keys(arrays.seed, positions)`.
     Logprobs are of the RAW model distribution (vLLM's default), and `top_ids`/`top_logprobs`
-    hold the num_logprobs (static) best raw tokens, shape [B, 0] when 0.
+    hold the num_logprobs (static) best raw tokens, shape [B, 0] when 0. ``fixed_order``: the
+    logprobs' log-sum-exp in a fixed reduction order (``logsumexp``; batch-invariant mode).
     """
     logits = logits.astype(jnp.float32)
     penalized = _maybe_penalize(logits, arrays, output_counts, prompt_mask)  # [B, V]
@@ -396,7 +408,7 @@ def sample(
 
     tokens = jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, draw, penalized)
 
-    lse = logsumexp(logits)  # [B]
+    lse = logsumexp(logits, fixed_order)  # [B]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs > 0:
         top_vals, top_ids = jax.lax.top_k(logits, num_logprobs)  # [B, n]

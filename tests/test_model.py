@@ -137,7 +137,7 @@ def test_transformers5_rope_parameters():
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling.factor == 8.0
 
 
-@pytest.mark.parametrize("backend", ["reference", "xla", "pallas_interpret"])
+@pytest.mark.parametrize("backend", ["reference", "xla", "cpu", "pallas_interpret"])
 def test_hf_parity_through_every_attention_backend(hf_dir_factory, backend):
     """Prefill (flash path) and decode logits match HF with each attention backend."""
     d, model = hf_dir_factory("llama", 9, 3, hidden=72)

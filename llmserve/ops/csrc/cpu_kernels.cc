@@ -1,0 +1,318 @@
+// Native CPU kernels, as XLA FFI custom calls (llmserve/ops/cpu_kernels.py builds, loads and
+// calls them):
+//   LlmservePagedAttention: paged GQA attention (decode, verify, per-token queries);
+//   LlmserveRowLogsumexp:   log-sum-exp of each row of [B, V] float32 logits, in a fixed order.
+//
+// Paged attention. Why a hand-written kernel: the XLA path (gather the pages through the block table, then two
+// batched matmuls) costs 7-9x the memory roof on CPU, and the gather alone 2.3-5x. Here each
+// (sequence, kv head) pair walks its own pages in place: every K/V byte is read once, converted
+// to float32 in a block of L keys that stays in L1, and scored by all T*G query rows sharing that
+// kv head (the GQA row trick of the Pallas kernel), with an online softmax per page.
+//
+// Semantics (shared by every backend): query t of sequence b sits at position q_start[b] + t and
+// sees keys s <= q_start[b] + t and s < lengths[b]; a query that sees no key returns zeros.
+//
+// Batch invariance: a (sequence, kv head) item's arithmetic depends only on its own inputs, in a
+// fixed order (pages in table order, keys in page order, the head dim in fixed SIMD lanes), so a
+// row's result never depends on the other rows of the batch or on how items are spread over
+// threads.
+//
+// Layout: q [B, T, N, H] (f32 or bf16), pages [K, P, L, H] (f32, bf16, or u16 = bf16 bits),
+// block_tables [B, M] s32, q_start [B] s32, lengths [B] s32 -> out [B, T, N, H] like q.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kMinusInf = -1e30f;  // finite: exp(m_old - m_new) stays defined
+
+inline float Bf16ToF32(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {  // round to nearest even, like XLA's convert
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// exp(x) for x <= 0 (softmax arguments), vectorizable: 2^n * poly(r), r = x - n ln2 in
+// [-ln2/2, ln2/2], degree-6 Taylor polynomial (relative error ~1e-7, about one float32 ulp);
+// 0 below -87.
+inline float ExpNonPositive(float arg) {
+  const float x = arg < -87.0f ? -87.0f : arg;
+  const float t = x * 1.44269504088896341f;
+  const int n = static_cast<int>(t - 0.5f);  // round half down: x <= 0, so t <= 0
+  const float fn = static_cast<float>(n);
+  const float r = (x - fn * 0.693145751953125f) - fn * 1.428606765330187e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return arg < -87.0f ? 0.0f : p * scale;  // below float32's normal range (and -inf): 0
+}
+
+inline void LoadRow(const float* src, float* dst, int64_t h) {
+  std::memcpy(dst, src, h * sizeof(float));
+}
+
+inline void LoadRow(const uint16_t* src, float* dst, int64_t h) {
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) dst[i] = Bf16ToF32(src[i]);
+}
+
+inline void StoreRow(const float* src, float* dst, int64_t h) {
+  std::memcpy(dst, src, h * sizeof(float));
+}
+
+inline void StoreRow(const float* src, uint16_t* dst, int64_t h) {
+  for (int64_t i = 0; i < h; ++i) dst[i] = F32ToBf16(src[i]);
+}
+
+struct Dims {
+  int64_t b, t, n, h, kh, pages, page_size, m, groups;
+  float scale;
+};
+
+// Per-thread scratch: the item's query rows, accumulators and one page of K and V in float32.
+struct Scratch {
+  std::vector<float> q, acc, mx, den, kb, vb, sc;
+  void Reserve(const Dims& d) {
+    const int64_t rows = d.t * d.groups;
+    q.resize(rows * d.h);
+    acc.resize(rows * d.h);
+    mx.resize(rows);
+    den.resize(rows);
+    kb.resize(d.page_size * d.h);
+    vb.resize(d.page_size * d.h);
+    sc.resize(d.page_size);
+  }
+};
+
+// One (sequence b, kv head k) item: all T*G query rows of that head group over its pages.
+template <typename QT, typename PT>
+void Item(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT* vp,
+          const int32_t* tables, const int32_t* q_start, const int32_t* lengths, QT* out,
+          Scratch& s) {
+  const int64_t b = item / d.kh, k = item % d.kh;
+  const int64_t g = d.groups, h = d.h, size = d.page_size, rows = d.t * g;
+  const int64_t qs = q_start[b];
+  const int64_t len = std::min<int64_t>(lengths[b], d.m * size);
+  const int64_t kv_end = std::min<int64_t>(qs + d.t, len);  // keys 0 .. kv_end-1 are read
+  for (int64_t r = 0; r < rows; ++r) {  // row r = t*G + gi is head k*G + gi of token t
+    const int64_t t = r / g, gi = r % g;
+    const QT* src = q + ((b * d.t + t) * d.n + k * g + gi) * h;
+    float* dst = &s.q[r * h];
+    LoadRow(src, dst, h);
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) dst[i] *= d.scale;
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + rows * h, 0.0f);
+  std::fill(s.mx.begin(), s.mx.begin() + rows, kMinusInf);
+  std::fill(s.den.begin(), s.den.begin() + rows, 0.0f);
+  const int64_t num_pages = kv_end > 0 ? (kv_end + size - 1) / size : 0;
+  for (int64_t j = 0; j < num_pages; ++j) {
+    int64_t page = tables[b * d.m + j];
+    page = std::min<int64_t>(std::max<int64_t>(page, 0), d.pages - 1);  // never read outside
+    const int64_t base = ((k * d.pages + page) * size) * h;
+    const int64_t nk = std::min<int64_t>(size, kv_end - j * size);
+    for (int64_t i = 0; i < nk; ++i) {
+      LoadRow(kp + base + i * h, &s.kb[i * h], h);
+      LoadRow(vp + base + i * h, &s.vb[i * h], h);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t q_pos = qs + r / g;
+      const int64_t last = std::min(q_pos, len - 1) - j * size;  // last visible key in the page
+      if (last < 0) continue;
+      const int64_t ns = std::min(nk, last + 1);
+      const float* qr = &s.q[r * h];
+      float m_new = s.mx[r];
+      for (int64_t i = 0; i < ns; ++i) {
+        const float* kr = &s.kb[i * h];
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t e = 0; e < h; ++e) dot += qr[e] * kr[e];
+        s.sc[i] = dot;
+        m_new = std::max(m_new, dot);
+      }
+      const float corr = ExpNonPositive(s.mx[r] - m_new);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < ns; ++i) {
+        s.sc[i] = ExpNonPositive(s.sc[i] - m_new);
+        sum += s.sc[i];
+      }
+      s.den[r] = s.den[r] * corr + sum;
+      s.mx[r] = m_new;
+      float* acc = &s.acc[r * h];
+#pragma omp simd
+      for (int64_t e = 0; e < h; ++e) acc[e] *= corr;
+      for (int64_t i = 0; i < ns; ++i) {
+        const float p = s.sc[i];
+        const float* vr = &s.vb[i * h];
+#pragma omp simd
+        for (int64_t e = 0; e < h; ++e) acc[e] += p * vr[e];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r / g, gi = r % g;
+    float* acc = &s.acc[r * h];
+    const float inv = s.den[r] > 0.0f ? 1.0f / s.den[r] : 0.0f;  // saw no key -> zeros
+#pragma omp simd
+    for (int64_t e = 0; e < h; ++e) acc[e] *= inv;
+    StoreRow(acc, out + ((b * d.t + t) * d.n + k * g + gi) * h, h);
+  }
+}
+
+// Runs items 0..total-1 on the caller and on the XLA CPU thread pool. Participants claim items
+// from a shared counter; the caller waits only for items already claimed by a running thread,
+// so a pool that is busy elsewhere (or never runs the task) cannot deadlock the call.
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t total, int64_t min_per_thread, F fn) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, total, fn]() {
+    for (;;) {
+      const int64_t i = state->next.fetch_add(1);
+      if (i >= total) return;
+      fn(i);
+      state->done.fetch_add(1);
+    }
+  };
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t helpers = std::min<int64_t>(threads, total / std::max<int64_t>(min_per_thread, 1)) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
+  work();
+  while (state->done.load() < total) std::this_thread::yield();
+}
+
+template <typename QT, typename PT>
+void Run(ffi::ThreadPool& pool, const Dims& d, const void* q, const void* kp, const void* vp,
+         const int32_t* tables, const int32_t* q_start, const int32_t* lengths, void* out) {
+  const int64_t total = d.b * d.kh;
+  // Enough work per helper to pay for waking it: about a thousand key rows.
+  const int64_t keys_per_item = std::max<int64_t>(1, d.m * d.page_size);
+  const int64_t min_items = std::max<int64_t>(1, 1024 / keys_per_item);
+  ParallelFor(pool, total, min_items, [=](int64_t item) {
+    thread_local Scratch scratch;
+    scratch.Reserve(d);
+    Item<QT, PT>(d, item, static_cast<const QT*>(q), static_cast<const PT*>(kp),
+                 static_cast<const PT*>(vp), tables, q_start, lengths, static_cast<QT*>(out),
+                 scratch);
+  });
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                              ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
+                              ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> lengths,
+                              float scale, ffi::Result<ffi::AnyBuffer> out) {
+  const auto qd = q.dimensions();
+  const auto pd = k_pages.dimensions();
+  const auto td = block_tables.dimensions();
+  if (qd.size() != 4 || pd.size() != 4 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("want q [B,T,N,H], pages [K,P,L,H], tables [B,M]");
+  }
+  Dims d{qd[0], qd[1], qd[2], qd[3], pd[0], pd[1], pd[2], td[1], 0, scale};
+  if (pd[3] != d.h || d.n % d.kh != 0 || td[0] != d.b) {
+    return ffi::Error::InvalidArgument("q, pages and block tables do not match");
+  }
+  if (k_pages.element_type() != v_pages.element_type()) {
+    return ffi::Error::InvalidArgument("k_pages and v_pages differ in dtype");
+  }
+  d.groups = d.n / d.kh;
+  const auto qt = q.element_type(), pt = k_pages.element_type();
+  const bool page_f32 = pt == ffi::DataType::F32;
+  const bool page_16 = pt == ffi::DataType::BF16 || pt == ffi::DataType::U16;
+  const void* qp = q.untyped_data();
+  const void* kp = k_pages.untyped_data();
+  const void* vp = v_pages.untyped_data();
+  const int32_t* tab = block_tables.typed_data();
+  const int32_t* qs = q_start.typed_data();
+  const int32_t* ln = lengths.typed_data();
+  void* o = out->untyped_data();
+  if (qt == ffi::DataType::F32 && page_f32) {
+    Run<float, float>(pool, d, qp, kp, vp, tab, qs, ln, o);
+  } else if (qt == ffi::DataType::F32 && page_16) {
+    Run<float, uint16_t>(pool, d, qp, kp, vp, tab, qs, ln, o);
+  } else if (qt == ffi::DataType::BF16 && page_16) {
+    Run<uint16_t, uint16_t>(pool, d, qp, kp, vp, tab, qs, ln, o);
+  } else if (qt == ffi::DataType::BF16 && page_f32) {
+    Run<uint16_t, float>(pool, d, qp, kp, vp, tab, qs, ln, o);
+  } else {
+    return ffi::Error::InvalidArgument("q must be f32 or bf16; pages f32, bf16 or u16");
+  }
+  return ffi::Error::Success();
+}
+
+// Row log-sum-exp. XLA:CPU compiles exp and the sum over the vocabulary differently in different
+// fusions (vectorized or not, depending on the surrounding program's shapes), so the same logits
+// row gets log-sum-exps one ulp apart in a decode step and in a verify step. Here every row is
+// reduced by the same code in the same order, whatever the batch.
+ffi::Error RowLogsumexpImpl(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("want logits [B, V]");
+  const int64_t rows = dims[0], v = dims[1];
+  const float* data = x.typed_data();
+  float* res = out->typed_data();
+  for (int64_t b = 0; b < rows; ++b) {
+    const float* row = data + b * v;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < v; ++i) top = std::max(top, row[i]);
+    if (!std::isfinite(top)) {  // an all -inf row: log(0); a +inf or NaN row propagates
+      res[b] = top == -std::numeric_limits<float>::infinity() ? top
+                                                              : top + (row[0] - row[0]);
+      continue;
+    }
+    double sum = 0.0;  // float64: a float32 running sum over ~50k terms drifts by ~1e-5
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < v; ++i) sum += static_cast<double>(ExpNonPositive(row[i] - top));
+    res[b] = top + static_cast<float>(std::log(sum));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmserveRowLogsumexp, RowLogsumexpImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [B, V]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // [B]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmservePagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()       // q
+                                  .Arg<ffi::AnyBuffer>()       // k_pages
+                                  .Arg<ffi::AnyBuffer>()       // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lengths
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::AnyBuffer>());  // out
