@@ -27,6 +27,7 @@ SMOKE = {
     "eagle": ("scripts.train_eagle", "eagle"),
     "soak": ("experiments.soak", "soak"),
     "sharding": ("experiments.sharding", "sharding"),
+    "step_profile": ("experiments.step_profile", "step_profile"),
 }
 RESULT_KEYS = ("experiment", "name", "command", "config", "machine", "versions", "results",
                "summary", "notes", "plots")
