@@ -17,18 +17,11 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from llmserve.batch import MAX_SUPPRESS_IDS, ScheduledRow
 from llmserve.block_manager import BlockManager
 from llmserve.config import ModelConfig
 from llmserve.outputs import OutputProcessor, RequestOutput, RequestState
-from llmserve.runner import (
-    MAX_SUPPRESS_IDS,
-    Runner,
-    ScheduledRow,
-    device_memory_bytes,
-    fetch,
-    tree_bytes,
-    wait,
-)
+from llmserve.runner import Runner, device_memory_bytes, fetch, tree_bytes, wait
 from llmserve.sampling_params import SamplingParams, child_seed, request_seed
 from llmserve.scheduler import Plan, Scheduler
 from llmserve.scheduler import Sequence as Seq
@@ -45,7 +38,7 @@ class EngineConfig:
     kv_cache_memory: Optional[int] = None  # bytes; alternative to num_pages
     max_num_batched_tokens: int = 512
     prefill_buckets: tuple = ((1, 32), (1, 128), (4, 128))
-    decode_buckets: Optional[tuple] = None  # default: by dtype (runner.default_decode_buckets)
+    decode_buckets: Optional[tuple] = None  # default: by dtype (batch.default_decode_buckets)
     mixed_decode_buckets: Optional[tuple] = None  # decode rows beside prefill chunks
     # Bitwise batch invariance: a request's tokens and logprobs never depend on what shares
     # its steps, on chunking, caching or preemption (runner.invariant_min_rows).
