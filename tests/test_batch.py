@@ -12,7 +12,7 @@ from llmserve.kv_cache import DUMMY_PAGE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "llmserve"
 HOST_MODULES = ["batch.py", "engine.py", "scheduler.py", "block_manager.py", "outputs.py",
-                "speculative/policy.py"]
+                "speculative/policy.py", "speculative/controller.py"]
 
 
 def _builder(**kw):
