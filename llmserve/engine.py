@@ -17,21 +17,19 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from llmserve.batch import MAX_SUPPRESS_IDS, ScheduledRow
 from llmserve.block_manager import BlockManager
 from llmserve.config import ModelConfig
 from llmserve.outputs import OutputProcessor, RequestOutput, RequestState
-from llmserve.runner import (
-    MAX_SUPPRESS_IDS,
-    Runner,
-    ScheduledRow,
-    device_memory_bytes,
-    fetch,
-    tree_bytes,
-    wait,
-)
+from llmserve.runner import Runner, device_memory_bytes, fetch, tree_bytes
 from llmserve.sampling_params import SamplingParams, child_seed, request_seed
 from llmserve.scheduler import Plan, Scheduler
 from llmserve.scheduler import Sequence as Seq
+from llmserve.speculative.controller import (
+    SpeculationController,
+    load_eagle,
+    num_speculative_tokens,
+)
 
 
 @dataclasses.dataclass
@@ -45,7 +43,7 @@ class EngineConfig:
     kv_cache_memory: Optional[int] = None  # bytes; alternative to num_pages
     max_num_batched_tokens: int = 512
     prefill_buckets: tuple = ((1, 32), (1, 128), (4, 128))
-    decode_buckets: Optional[tuple] = None  # default: by dtype (runner.default_decode_buckets)
+    decode_buckets: Optional[tuple] = None  # default: by dtype (batch.default_decode_buckets)
     mixed_decode_buckets: Optional[tuple] = None  # decode rows beside prefill chunks
     # Bitwise batch invariance: a request's tokens and logprobs never depend on what shares
     # its steps, on chunking, caching or preemption (runner.invariant_min_rows).
@@ -167,16 +165,7 @@ class Engine:
                 f"{config.max_model_len} ({pages_per_seq} pages of {config.page_size} + 1 dummy)")
         prefill_buckets = tuple((b, min(c, config.max_num_batched_tokens))
                                 for b, c in config.prefill_buckets)
-        eagle = None
-        spec = config.speculative_config
-        if spec is not None and dict(spec).get("method") == "eagle":
-            from llmserve.speculative.proposers import load_eagle_head
-
-            eagle = load_eagle_head(dict(spec)["model"], cfg.dtype)
-            if eagle[0].vocab_size != cfg.vocab_size or eagle[0].d_model != cfg.d_model:
-                raise ValueError(f"EAGLE head for vocab {eagle[0].vocab_size} / d_model "
-                                 f"{eagle[0].d_model} does not fit this model "
-                                 f"({cfg.vocab_size} / {cfg.d_model})")
+        eagle = load_eagle(config.speculative_config, cfg)  # runs inside the runner's step
         runner_cls = Runner
         if shardings is not None and shardings.multi_process:
             from llmserve.multihost import LeaderRunner as runner_cls  # broadcasts each call
@@ -185,7 +174,8 @@ class Engine:
             max_slots=config.max_num_seqs, max_model_len=config.max_model_len, backend=backend,
             num_logprobs=config.max_logprobs, decode_buckets=config.decode_buckets,
             prefill_buckets=prefill_buckets, mixed_decode_buckets=config.mixed_decode_buckets,
-            num_speculative_tokens=self._num_speculative_tokens(config), eagle=eagle,
+            num_speculative_tokens=num_speculative_tokens(config.speculative_config),
+            eagle=eagle,
             batch_invariant=config.batch_invariant, shardings=shardings)
         self.blocks = BlockManager(num_pages, config.page_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
@@ -206,43 +196,26 @@ class Engine:
         self._counter = 0
         self._aborted: list[RequestOutput] = []  # final outputs the next step() reports
         self._inflight: Optional[Plan] = None
-        self._drafted = False  # an EAGLE head left drafts for the next step
-        self.spec = None
-        if config.speculative_config is not None:
-            self._init_speculation(config.speculative_config, num_pages, backend)
+        # Speculation's hooks (each does nothing when speculative_config is None).
+        self.speculation = SpeculationController(
+            config.speculative_config, cfg=cfg, runner=self.runner, scheduler=self.scheduler,
+            stats=self.stats, requests=self.requests, num_pages=num_pages,
+            page_size=config.page_size, max_model_len=config.max_model_len, backend=backend)
 
-    @staticmethod
-    def _num_speculative_tokens(config: EngineConfig) -> int:
-        if config.speculative_config is None:
-            return 0
-        from llmserve.speculative.policy import SpeculativeConfig
+    @property
+    def spec(self):
+        """The ``SpeculativeConfig`` in use, or None without speculation."""
+        return self.speculation.spec
 
-        return SpeculativeConfig.from_dict(config.speculative_config).num_speculative_tokens
+    @property
+    def policy(self):
+        """The never-slower ``SpeculationPolicy`` (None without speculation)."""
+        return self.speculation.policy
 
-    def _init_speculation(self, spec_cfg, num_pages: int, backend: str) -> None:
-        from llmserve.speculative import policy as sp
-        from llmserve.speculative import proposers
-
-        self.spec = spec = sp.SpeculativeConfig.from_dict(spec_cfg)
-        k = spec.num_speculative_tokens
-        self.policy = sp.SpeculationPolicy(k, adaptive=spec.adaptive)
-        if spec.method == "ngram":
-            self.proposer = proposers.NgramLookup(spec.prompt_lookup_max, spec.prompt_lookup_min,
-                                                  k)
-            return
-        if spec.method == "eagle":
-            self.proposer = proposers.EagleHeadProposer(k)
-            return
-        if isinstance(spec.model, (tuple, list)):
-            dcfg, dparams = spec.model
-        else:
-            from llmserve.checkpoint import load_checkpoint
-
-            dcfg, dparams = load_checkpoint(spec.model, dtype=self.cfg.dtype)
-        self.proposer = proposers.DraftModelProposer(
-            dcfg, dparams, num_pages=num_pages, page_size=self.config.page_size,
-            num_speculative_tokens=k, backend=backend, target_vocab=self.cfg.vocab_size,
-            shardings=self.runner.shardings)
+    @property
+    def proposer(self):
+        """The ``Proposer`` that drafts (None without speculation)."""
+        return self.speculation.proposer
 
     # ------------------------------------------------------------------ requests
     def warmup(self) -> None:
@@ -251,23 +224,8 @@ class Engine:
         With speculation on, it also compiles the proposer's calls and times decode against
         verify per bucket, seeding the never-slower policy.
         """
-        device_drafts = self.spec is not None and self.proposer.device_drafts
-        self.runner.warmup(device_drafts=device_drafts)
-        if self.spec is None:
-            return
-        self.proposer.warmup(self.runner)
-        for shape in self.runner.step_shapes():
-            d, p, w = shape
-            if p is not None or d == 0:
-                continue
-            batch = self.runner.empty_batch(shape)
-            for attempt in range(2):  # the first run may still allocate; the second is timed
-                t0 = time.perf_counter()
-                drafts, probs = self.proposer.drafts([], batch) if w > 1 else (None, None)
-                wait(self.runner.run(batch, drafts, probs))
-                if attempt == 1:
-                    self.policy.time("verify" if w > 1 else "decode", d,
-                                     time.perf_counter() - t0)
+        self.runner.warmup(device_drafts=self.speculation.device_drafts)
+        self.speculation.warmup()
 
     def _tokenize(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
@@ -390,17 +348,13 @@ class Engine:
         for seq in list(self.scheduler.running):
             self.scheduler.preempt(seq)
         self.runner.reset()
-        self._drafted = False
-        if self.spec is not None:
-            self.proposer.reset()
+        self.speculation.reset()
         self.blocks.drop_prefix_cache()
         return sorted(failed)
 
     def _finish(self, seq: Seq, reason: str, stop_reason=None) -> None:
         self.scheduler.finish(seq, reason, stop_reason)
-        if self.spec is not None:
-            self.policy.forget(seq.seq_id)
-            self.proposer.forget(seq.seq_id)
+        self.speculation.forget(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         """True while some request is queued or running, or an abort is still to be reported."""
@@ -417,11 +371,9 @@ class Engine:
         return self._process(results)
 
     def _schedule(self) -> Plan:
-        lookahead = self._lookahead()
-        # An EAGLE head drafts at the end of every step, writing D positions on: reserve them.
-        reserve = self.spec.num_speculative_tokens if (
-            self.spec is not None and self.spec.method == "eagle") else lookahead
-        plan = self.scheduler.schedule(reserve, self.config.max_model_len)
+        lookahead = self.speculation.lookahead()
+        plan = self.scheduler.schedule(self.speculation.reserve(lookahead),
+                                       self.config.max_model_len)
         plan.lookahead = lookahead
         self.stats["preemptions"] += len(plan.preempted)
         self._inflight = plan  # until its outputs are processed (see ``recover``)
@@ -433,8 +385,7 @@ class Engine:
         if plan.empty:
             return []
         self.runner.copy_pages(plan.copies)
-        if self.spec is not None:
-            self.proposer.copy_pages(plan.copies)
+        self.speculation.copy_pages(plan.copies)
         fresh = self._init_penalty_rows(plan)
         prefill = [self._row(c.seq, c.start, c.seq.all_ids[c.start:c.start + c.length],
                              c.final) for c in plan.prefill]
@@ -444,34 +395,22 @@ class Engine:
             row.carry_feature = c.start > 0 and c.seq.seq_id not in fresh
         self._note_prefill(plan)
         verify = bool(plan.decode and plan.lookahead)
-        decode = self._verify_rows(plan.decode) if verify else []
-        if verify and not self._worth_verifying(plan.decode, decode):
+        decode = self.speculation.verify_rows(plan.decode, self._row) if verify else []
+        if verify and not self.speculation.worth_verifying(plan.decode, decode):
             verify = False  # too few drafts (n-gram found few or none): plain is cheaper
         if not verify:
             decode = [self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
                       for seq in plan.decode]
-        if self.spec is not None:
-            self.policy.tick([seq.seq_id for seq in plan.decode])
+        self.speculation.tick(plan.decode)
         for row in decode:
             row.carry_feature = True  # a running sequence's last feature is in its slot
         t0 = time.perf_counter()
         batch = self.runner.prepare(decode, prefill, verify=verify,
-                                    head_drafts=self._head_drafts())
+                                    head_drafts=self.speculation.head_drafts())
         self._count(batch, decode, prefill)
-        drafts = probs = None
-        if self.spec is not None:
-            if prefill:
-                self.proposer.prefill(batch, len(batch.parts) - 1, plan.prefill)
-            if verify:
-                drafts, probs = self.proposer.drafts(plan.decode, batch)
+        drafts, probs = self.speculation.drafts(plan, batch, verify)
         result = fetch(self.runner.run(batch, drafts, probs))  # one transfer for the step
-        if self.spec is not None and plan.decode:
-            elapsed = time.perf_counter() - t0
-            key = "spec_verify_time_s" if verify else "spec_decode_time_s"
-            self.stats[key] = self.stats.get(key, 0.0) + elapsed  # draft + verify, or decode
-            if not plan.prefill:
-                bucket = batch.parts[0].block_tables.shape[0]
-                self.policy.time("verify" if verify else "decode", bucket, elapsed)
+        self.speculation.timed(plan, batch, verify, time.perf_counter() - t0)
         self.stats["steps"] += 1
         offset = batch.parts[0].block_tables.shape[0] if decode else 0
         return [("decode", plan.decode, 0, result, verify),
@@ -484,7 +423,7 @@ class Engine:
         touched: dict[str, RequestState] = {}
         for kind, rows, offset, res, verify in results:
             if verify:
-                self._note_verified(rows, res)
+                self.speculation.note_verified(rows, res)
             for i, row in enumerate(rows):
                 seq = row if kind == "decode" else row.seq
                 touched[seq.request_id] = self.requests.get(seq.request_id)
@@ -560,96 +499,9 @@ class Engine:
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
 
-    def _head_drafts(self) -> bool:
-        """Whether an EAGLE head drafts at the end of this step: the policy decides the next
-        step's verify now (from the same rows), and a step verifies only after one drafted."""
-        if self.spec is None or self.spec.method != "eagle":
-            return False
-        self._drafted = self._lookahead(ahead=True) > 0
-        return self._drafted
-
-    def _lookahead(self, ahead: bool = False) -> int:
-        """D when this step should verify drafts (see SpeculationPolicy), else 0."""
-        if self.spec is None:
-            return 0
-        if not ahead and self.spec.method == "eagle" and not self._drafted:
-            return 0  # the head made no drafts at the end of the last step
-        rows = [s for s in self.scheduler.running if not s.in_prefill]
-        if not rows:
-            return 0
-        if not any(self.policy.proposes(s.seq_id) for s in rows):
-            return 0
-        ids = [s.seq_id for s in rows]
-        n = len(rows)
-        if not self.policy.speculate(ids, self.runner.decode_bucket(n),
-                                     self.runner.decode_bucket(n, verify=True)):
-            return 0
-        return self.spec.num_speculative_tokens
-
-    def _worth_verifying(self, seqs: list, rows: list[ScheduledRow]) -> bool:
-        """The policy's choice again, now that each row's number of drafts is known (host
-        proposals only: device drafts always fill each row's room, as ``_lookahead`` assumed)."""
-        drafts = [len(r.tokens) - 1 for r in rows]
-        if not any(drafts):
-            return False
-        if self.proposer.device_drafts or self.spec.method == "eagle":
-            return True
-        n = len(seqs)
-        return self.policy.speculate([s.seq_id for s in seqs], self.runner.decode_bucket(n),
-                                     self.runner.decode_bucket(n, verify=True), drafts)
-
-    def _verify_rows(self, seqs: list) -> list[ScheduledRow]:
-        """Each sequence's verify row: its last token, then the drafts the proposer gives it
-        (placeholders when the drafts come from the device inside the step)."""
-        d = self.spec.num_speculative_tokens
-        room = np.zeros(len(seqs), np.int32)  # drafts each row may carry (max_model_len, policy)
-        for i, seq in enumerate(seqs):
-            if self.policy.proposes(seq.seq_id):
-                room[i] = max(0, min(d, self.config.max_model_len - seq.num_tokens))
-        proposal = self.proposer.propose(seqs, room)
-        self._num_draft = proposal.num_draft  # host copy: drafts each row carried this step
-        rows = []
-        for i, seq in enumerate(seqs):
-            k = int(proposal.num_draft[i])
-            extra = [0] * k if proposal.tokens is None else list(proposal.tokens[i, :k])
-            rows.append(self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]] + extra, True))
-        return rows
-
-    def _note_verified(self, seqs: list, res) -> None:
-        """Acceptance statistics of a verify step, for the policy, the proposer and metrics."""
-        d = self.spec.num_speculative_tokens
-        accepted = np.asarray(res.num_accepted[: len(seqs)])
-        self.proposer.accepted(seqs, accepted)
-        proposed_at = self.stats.setdefault("spec_proposed_per_pos", [0] * d)
-        accepted_at = self.stats.setdefault("spec_accepted_per_pos", [0] * d)
-        for seq, drafted, n in zip(seqs, self._num_draft, accepted):
-            drafted, n = int(drafted), int(n)
-            self.policy.record(seq.seq_id, drafted, n)
-            req = self.requests.get(seq.request_id)
-            if req is not None:
-                req.metrics.spec_proposed += drafted
-                req.metrics.spec_accepted += n
-            self.stats["spec_proposed"] = self.stats.get("spec_proposed", 0) + drafted
-            self.stats["spec_accepted"] = self.stats.get("spec_accepted", 0) + n
-            self.stats["spec_verify_rows"] = self.stats.get("spec_verify_rows", 0) + 1
-            for j in range(drafted):
-                proposed_at[j] += 1
-            for j in range(n):
-                accepted_at[j] += 1
-
     def spec_metrics(self) -> dict:
-        """Speculative decoding so far: acceptance rate, mean accepted length per verify row,
-        acceptance per draft position, and the time spent in verify (draft + verify) and in
-        plain decode steps."""
-        st = self.stats
-        proposed, rows = st.get("spec_proposed", 0), st.get("spec_verify_rows", 0)
-        per_pos = [a / p if p else None for a, p in zip(st.get("spec_accepted_per_pos", []),
-                                                        st.get("spec_proposed_per_pos", []))]
-        return {"acceptance_rate": st.get("spec_accepted", 0) / proposed if proposed else None,
-                "mean_accepted_length": st.get("spec_accepted", 0) / rows if rows else None,
-                "acceptance_per_position": per_pos,
-                "verify_time_s": st.get("spec_verify_time_s", 0.0),
-                "decode_time_s": st.get("spec_decode_time_s", 0.0)}
+        """Speculative decoding so far (``speculative.controller.spec_metrics``)."""
+        return self.speculation.metrics()
 
     def page_usage(self) -> dict:
         """Pages reserved vs token slots used by running sequences (KV waste)."""

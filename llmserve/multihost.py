@@ -18,7 +18,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from llmserve.runner import Runner, StepInput
+from llmserve.batch import StepInput
+from llmserve.runner import Runner
 
 # Header: [op, parts, rows of part 0, tokens per row of part 0, rows of part 1, tokens/row].
 OP_STOP, OP_STEP, OP_COPY, OP_SAMPLER = 0, 1, 2, 3

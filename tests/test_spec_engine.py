@@ -324,8 +324,8 @@ def test_eagle_drafts_in_the_engine_equal_the_training_forward(tiny):
         "method": "eagle", "model": (ecfg, head, vocab_map), "num_speculative_tokens": 2,
         "adaptive": False})
     turns = iter([True, False] * 1000)  # verify steps and plain decode steps alternate
-    policy = eng._lookahead
-    eng._lookahead = lambda ahead=False: policy(ahead) if ahead or next(turns) else 0
+    policy = eng.speculation.lookahead
+    eng.speculation.lookahead = lambda ahead=False: policy(ahead) if ahead or next(turns) else 0
     prompt = (np.arange(3, 22) * 7 % cfg.vocab_size).tolist()  # 19 tokens: 3 chunks of <= 8
     eng.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     seen = []  # (tokens so far, the slot's draft 0) after each step that emitted

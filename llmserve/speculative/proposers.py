@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llmserve.batch import StepInput, padded_page_pairs, part_arrays
 from llmserve.config import ModelConfig
 from llmserve.kv_cache import PagedKVCache
 from llmserve.programs import owned_jit, programs_for
-from llmserve.runner import StepInput, copy_cache_pages, padded_page_pairs, part_arrays
+from llmserve.runner import copy_cache_pages
 from llmserve.speculative.draft import draft_prefill, draft_propose
 from llmserve.speculative.ngram import NgramProposer
 

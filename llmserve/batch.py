@@ -1,0 +1,329 @@
+"""The host batch of one step: its typed arrays (numpy) and the bucket each part pads to.
+
+The engine hands the rows it scheduled (``ScheduledRow``) to a ``BatchBuilder``, which picks
+each part's bucket (decode ``[Bd, 1]``, verify ``[Bv, 1 + D]``, prefill ``[Bp, C]``) from the
+few shapes compiled at warm-up and fills one ``StepInput`` of numpy arrays in flat-token order;
+the runner moves it to the device in one ``device_put``. Numpy only: this module imports no
+jax. The batch types are plain frozen dataclasses; the runner registers them as pytrees
+(fields marked ``STATIC`` are part of the compiled shape, not arrays).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from llmserve import sampling
+from llmserve.kv_cache import DUMMY_PAGE, PartMetadata, RaggedMetadata
+
+Array = Any  # numpy on the host, jax.Array once the runner has moved the batch to the device
+
+MAX_SUPPRESS_IDS = 32  # stop ids a min_tokens request may ban (EOS ids + stop_token_ids)
+STATIC = {"static": True}  # a pytree metadata field (jax.tree_util.register_dataclass)
+
+
+class _Pytree:
+    """``replace`` for the frozen batch types (as flax.struct dataclasses have it)."""
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass
+class ScheduledRow:
+    """One row of a step, as the engine hands it to ``Runner.prepare`` (host, plain Python)."""
+
+    tokens: Sequence[int]  # the row's real tokens (decode: 1; prefill: a chunk; verify: 1)
+    start: int  # position of tokens[0]
+    block_table: Sequence[int]  # the sequence's pages
+    slot: int  # its sampler-state row
+    emit: bool  # the sampled token is kept (decode, verify, or a final prefill chunk)
+    sampling: dict  # SamplingArrays fields (temperature, top_k, ..., seed)
+    suppress_ids: Sequence[int] = ()  # stop ids banned while min_tokens is not reached
+    suppress_until: int = 0  # ... for this many sampled positions
+    # In a verify step ``tokens`` is [last committed token, its drafts] (the draft tokens may be
+    # placeholders that a draft model's device output replaces inside the step).
+    carry_feature: bool = False  # EAGLE: the slot holds this row's h_{start-1} (continuing)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadInput(_Pytree):
+    """Where the EAGLE head's input features come from. The head's input at position p is
+    (h_{p-1}, x_p), stored at p like the target's K/V: within a row h_{p-1} is the target's
+    hidden state of the token before; a row's first token takes its slot's carried feature
+    (the last step's), or zero at position 0 and after (re)admission."""
+
+    prev: Array  # [N] int32: flat index of the token before in the same row, else -1
+    first_row: Array  # [N] int32: the row whose first token this is, else -1
+    carry: Array  # [R] bool: the slot's carried feature is this row's h_{start-1}
+    draft: Array  # [] bool: draft for the next step (False: the next step will not verify)
+
+@dataclasses.dataclass(frozen=True)
+class StepInput(_Pytree):
+    """Everything one step needs (numpy on the host, jax arrays on the device).
+
+    N flat tokens; R sampled rows (the rows of every part, in part order). In a verify step the
+    first part is [Bv, 1 + D] (D = ``num_speculative_tokens``): each row's last committed token
+    and its drafts, all scored at once.
+    """
+
+    tokens: Array  # [N] int32
+    positions: Array  # [N] int32: each token's absolute position (RoPE)
+    write_page: Array  # [N] int32: page its K/V goes to (dummy page 0 for padding)
+    write_offset: Array  # [N] int32: offset in that page
+    parts: tuple  # PartMetadata per part: q_start [B], lengths [B], block_tables [B, M]
+    sample_index: Array  # [R] int32: flat index of the token whose logits row r samples from
+    sample_pos: Array  # [R] int32: position the sampled token will take (its random key)
+    slot_ids: Array  # [R] int32: row in SamplerState (max_slots for padding rows)
+    emit: Array  # [R] bool: the sampled token is kept
+    suppress_ids: Array  # [R, E] int32: token ids banned (min_tokens not reached); V = none
+    suppress_until: Array  # [R] int32: the ban holds for this many sampled positions
+    sampling: sampling.SamplingArrays  # [R] per-row parameters
+    num_draft: Array  # [R] int32: drafts a verify row carries (0 elsewhere)
+    per_token: Optional[PartMetadata] = None  # batch-invariant mode: one query per token
+    head: Optional[HeadInput] = None  # an EAGLE head runs inside the step
+    verify: bool = dataclasses.field(default=False, metadata=STATIC)  # parts[0] verifies
+
+    def metadata(self) -> RaggedMetadata:
+        return RaggedMetadata(positions=self.positions[None], write_page=self.write_page,
+                              write_offset=self.write_offset, parts=self.parts,
+                              per_token=self.per_token)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput(_Pytree):
+    """What a step returns, per sampled row r: row r emits ``tokens[r, :num_accepted[r] + 1]``.
+
+    W = 1 + D in a verify step (accepted drafts, then the target's token, then -1), else 1.
+    """
+
+    tokens: Array  # [R, W] int32
+    logprobs: Array  # [R, W] float32: raw target log p of each emitted token
+    top_ids: Array  # [R, W, n] int32: the n most likely raw tokens at each position
+    top_logprobs: Array  # [R, W, n] float32
+    num_accepted: Array  # [R] int32: drafts accepted (0 for decode and prefill rows)
+
+
+class BatchBuilder:
+    """Picks each part's bucket and builds the typed host batch of a step (numpy only).
+
+    ``head``: an EAGLE head runs inside the step (the batch says where its input features come
+    from); ``min_rows``: batch-invariant steps pad to at least this many tokens.
+    """
+
+    def __init__(self, *, vocab_size: int, page_size: int, pages_per_seq: int, max_slots: int,
+                 decode_buckets: Sequence[int], prefill_buckets: Sequence[tuple[int, int]],
+                 mixed_decode_buckets: Sequence[int] | None = None,
+                 num_speculative_tokens: int = 0, verify_buckets: Sequence[int] | None = None,
+                 head: bool = False, batch_invariant: bool = False, min_rows: int = 1):
+        self.vocab_size = vocab_size
+        self.page_size = page_size
+        self.pages_per_seq = pages_per_seq
+        self.max_slots = max_slots
+        self.decode_buckets = sorted(decode_buckets)
+        # Steps that carry prefill chunks pad their decode rows to one of these (default: the
+        # largest decode bucket): beside a chunk the extra rows cost little, and the compiled
+        # set stays |decode| + 2 |prefill| shapes instead of |decode| x |prefill|.
+        self.mixed_decode_buckets = sorted(mixed_decode_buckets or [self.decode_buckets[-1]])
+        self.prefill_buckets = sorted(prefill_buckets, key=lambda x: (x[0] * x[1], x))
+        # Verify steps [Bv, 1 + D]: a row of 1 + D tokens costs about one decode row's weight
+        # pass at batch 1-2 (bf16 runs 2-8 token rows in the time of 8), so verify keeps the
+        # small buckets that decode drops; beside prefill chunks it pads to the largest.
+        self.num_speculative_tokens = num_speculative_tokens
+        if verify_buckets is None:
+            verify_buckets = sorted({min(max_slots, b) for b in (1, 2, 4)}
+                                    | set(self.decode_buckets))
+        self.verify_buckets = sorted(verify_buckets) if num_speculative_tokens else []
+        self.head = head
+        self.batch_invariant = batch_invariant
+        self.min_rows = min_rows
+
+    def decode_bucket(self, n: int, mixed: bool = False, verify: bool = False) -> int:
+        """The smallest decode (``verify``: verify) bucket holding n rows (``mixed``: beside
+        prefill chunks, where one bucket, the largest, serves)."""
+        buckets = self.verify_buckets if verify else self.decode_buckets
+        if mixed:
+            buckets = buckets[-1:] if verify else self.mixed_decode_buckets
+        for b in buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} decode rows exceed the largest bucket {buckets[-1:]}")
+
+    def prefill_bucket(self, rows: int, longest: int) -> tuple[int, int]:
+        """The cheapest (rows, chunk) bucket holding ``rows`` chunks of up to ``longest``."""
+        for b, c in self.prefill_buckets:
+            if b >= rows and c >= longest:
+                return b, c
+        raise ValueError(f"no prefill bucket holds {rows} rows of {longest} tokens")
+
+    @property
+    def max_prefill_rows(self) -> int:
+        return max(b for b, _ in self.prefill_buckets)
+
+    @property
+    def max_chunk(self) -> int:
+        return max(c for _, c in self.prefill_buckets)
+
+    def step_shapes(self) -> list[tuple]:
+        """Every (decode rows, (prefill rows, chunk), width) shape a step can take: decode
+        alone, prefill alone and mixed; with speculation, verify rows of width 1 + D alone and
+        beside prefill. All are compiled at warm-up, so serving never compiles."""
+        shapes = ([(d, None, 1) for d in self.decode_buckets]
+                  + [(0, p, 1) for p in self.prefill_buckets]
+                  + [(d, p, 1) for d, p in itertools.product(self.mixed_decode_buckets,
+                                                             self.prefill_buckets)])
+        if self.num_speculative_tokens:
+            w = 1 + self.num_speculative_tokens
+            shapes += ([(b, None, w) for b in self.verify_buckets]
+                       + [(self.verify_buckets[-1], p, w) for p in self.prefill_buckets])
+        return shapes
+
+    # ------------------------------------------------------------------ host batch
+    def prepare(self, decode: Sequence[ScheduledRow], prefill: Sequence[ScheduledRow] = (),
+                verify: bool = False, head_drafts: bool = True) -> StepInput:
+        """Builds the typed host batch (numpy) for one step from its scheduled rows.
+
+        ``decode`` rows get a part [Bd, 1] (``verify``: [Bv, 1 + D], each row its last token
+        and up to D drafts), ``prefill`` rows a part [Bp, C]; each part is padded to its
+        bucket, and an empty one is left out. ``head_drafts``: an EAGLE head drafts for the
+        next step (False when the next step will not verify).
+        """
+        parts = []
+        if decode:
+            width = 1 + self.num_speculative_tokens if verify else 1
+            if verify and not self.num_speculative_tokens:
+                raise ValueError("a verify step needs a Runner built with num_speculative_tokens")
+            parts.append((decode, self.decode_bucket(len(decode), bool(prefill), verify), width))
+        if prefill:
+            b, c = self.prefill_bucket(len(prefill), max(len(r.tokens) for r in prefill))
+            parts.append((prefill, b, c))
+        return self.build(parts, verify=verify and bool(decode), head_drafts=head_drafts)
+
+    def empty_batch(self, shape: tuple) -> StepInput:
+        """A batch of the given ``step_shapes()`` entry with every row padding (warm-up)."""
+        d, p, w = shape if len(shape) == 3 else (*shape, 1)
+        parts = ([([], d, w)] if d else []) + ([([], p[0], p[1])] if p else [])
+        return self.build(parts, verify=w > 1)
+
+    def build(self, parts, verify: bool = False, head_drafts: bool = True) -> StepInput:
+        """The host batch for ``parts`` = [(rows, bucket rows, tokens per row)], in flat order
+        (``prepare`` and ``empty_batch`` choose the buckets; multi-host followers rebuild a
+        template of the leader's shape with it)."""
+        n = max(sum(b * t for _, b, t in parts), self.min_rows)
+        r = sum(b for _, b, _ in parts)
+        size, m, v = self.page_size, self.pages_per_seq, self.vocab_size
+        tokens = np.zeros(n, np.int32)
+        positions = np.zeros(n, np.int32)
+        write_page = np.full(n, DUMMY_PAGE, np.int32)
+        write_offset = np.zeros(n, np.int32)
+        sample_index = np.zeros(r, np.int32)
+        sample_pos = np.zeros(r, np.int32)
+        slot_ids = np.full(r, self.max_slots, np.int32)
+        emit = np.zeros(r, bool)
+        suppress_ids = np.full((r, MAX_SUPPRESS_IDS), v, np.int32)
+        suppress_until = np.zeros(r, np.int32)
+        num_draft = np.zeros(r, np.int32)
+        head = self.head
+        if head:  # where the EAGLE head's input features come from
+            prev = np.full(n, -1, np.int32)
+            first_row = np.full(n, -1, np.int32)
+            carry = np.zeros(r, bool)
+        rows_sampling: list[dict] = [{} for _ in range(r)]
+        metas = []
+        off = row = 0
+        for rows, b, t in parts:
+            q_start = np.zeros(b, np.int32)
+            lengths = np.zeros(b, np.int32)
+            tables = np.full((b, m), DUMMY_PAGE, np.int32)
+            for i, spec in enumerate(rows):
+                k = len(spec.tokens)
+                base = off + i * t
+                pos = spec.start + np.arange(k)
+                table = np.asarray(spec.block_table, np.int32)
+                tokens[base:base + k] = spec.tokens
+                positions[base:base + k] = pos
+                write_page[base:base + k] = table[pos // size]
+                write_offset[base:base + k] = pos % size
+                q_start[i], lengths[i] = spec.start, spec.start + k
+                tables[i, : len(table)] = table
+                j = row + i
+                if verify and not metas:  # the verify part: its drafts follow the last token
+                    num_draft[j] = k - 1
+                sample_index[j] = base + k - 1
+                sample_pos[j] = spec.start + k
+                slot_ids[j], emit[j] = spec.slot, spec.emit
+                suppress_ids[j, : len(spec.suppress_ids)] = spec.suppress_ids
+                suppress_until[j] = spec.suppress_until
+                rows_sampling[j] = spec.sampling
+                if head:
+                    prev[base + 1:base + k] = np.arange(base, base + k - 1)
+                    first_row[base] = j
+                    carry[j] = spec.carry_feature
+            for i in range(len(rows), b):  # padding rows sample from their own (dummy) token
+                sample_index[row + i] = off + i * t
+            metas.append(PartMetadata(q_start=q_start, lengths=lengths, block_tables=tables,
+                                      t=t))
+            off += b * t
+            row += b
+        per_token = self._per_token(metas, positions, write_page) \
+            if self.batch_invariant else None
+        head_input = HeadInput(prev=prev, first_row=first_row, carry=carry,
+                               draft=np.asarray(head_drafts)) if head else None
+        return StepInput(tokens=tokens, positions=positions, write_page=write_page,
+                         write_offset=write_offset, parts=tuple(metas), per_token=per_token,
+                         sample_index=sample_index, sample_pos=sample_pos, slot_ids=slot_ids,
+                         emit=emit, suppress_ids=suppress_ids, suppress_until=suppress_until,
+                         sampling=sampling.SamplingArrays.from_lists(rows_sampling, xp=np),
+                         num_draft=num_draft, head=head_input, verify=verify)
+
+    def _per_token(self, metas, positions: np.ndarray, write_page: np.ndarray) -> PartMetadata:
+        """Batch-invariant attention metadata: each real token is a one-token query of its
+        own sequence (q_start = its position, its row's block table); padding sees nothing."""
+        owner = np.concatenate([np.repeat(np.arange(len(m.q_start)), m.t) + sum(
+            len(p.q_start) for p in metas[:i]) for i, m in enumerate(metas)])  # token -> row
+        tables = np.concatenate([m.block_tables for m in metas])  # [rows, M]
+        nq = max(len(positions), self.min_rows)
+        q_start = np.zeros(nq, np.int32)
+        lengths = np.zeros(nq, np.int32)
+        tok_tables = np.full((nq, tables.shape[1]), DUMMY_PAGE, np.int32)
+        real = np.flatnonzero(write_page[: len(owner)] != DUMMY_PAGE)  # live pages only
+        q_start[real] = positions[real]
+        lengths[real] = positions[real] + 1
+        tok_tables[real] = tables[owner[real]]
+        return PartMetadata(q_start=q_start, lengths=lengths, block_tables=tok_tables, t=1)
+
+
+def padded_page_pairs(pairs: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) page ids padded with dummy-page pairs to a power of two >= 8 (few shapes)."""
+    n = max(8, 1 << max(0, (len(pairs) - 1).bit_length()))
+    src = np.full(n, DUMMY_PAGE, np.int32)
+    dst = np.full(n, DUMMY_PAGE, np.int32)
+    for i, (s, d) in enumerate(pairs):
+        src[i], dst[i] = s, d
+    return src, dst
+
+
+def part_arrays(batch: StepInput, index: int) -> tuple[np.ndarray, ...]:
+    """Part ``index`` of a host batch in row form: (tokens [B, T], q_start [B], n_valid [B],
+    block_tables [B, M]), for a draft model that mirrors the target's prefill."""
+    part = batch.parts[index]
+    off = sum(p.block_tables.shape[0] * p.t for p in batch.parts[:index])
+    b, t = part.block_tables.shape[0], part.t
+    tokens = np.asarray(batch.tokens[off:off + b * t]).reshape(b, t)
+    return tokens, part.q_start, part.lengths - part.q_start, part.block_tables
+
+
+def default_decode_buckets(max_slots: int, dtype: str) -> list[int]:
+    """Decode batch buckets chosen by measurement (experiments/matmul.py, SmolLM2 on this CPU).
+
+    bf16 weight matmuls cost about the same from 1 to 8 rows (25.8 / 23.4 / 25.4 / 27.1 ms), so
+    the smallest bf16 bucket is 8. fp32 at 1 row is a matrix-vector product (21 ms) and cheaper
+    than 2-8 rows (29-44 ms), so fp32 also keeps a 1-row bucket for the last running request.
+    Then powers of two from 8 up to ``max_slots``.
+    """
+    smallest = 8 if "bfloat16" in str(dtype) else 1
+    return sorted({min(max_slots, smallest)} | {min(max_slots, 1 << i) for i in range(3, 12)}
+                  | {max_slots})
