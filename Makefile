@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check llmserve tests experiments scripts configs
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check llmserve tests experiments scripts configs
