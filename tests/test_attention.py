@@ -256,6 +256,18 @@ def test_native_kernel_is_batch_invariant(dtype):
         np.testing.assert_array_equal(np.asarray(one.astype(jnp.float32))[0], batch[i])
 
 
+@needs_native
+def test_native_kernel_rejects_pages_over_64_and_the_dispatcher_avoids_it():
+    """Pages of 128 tokens: the kernel says why it refuses; the "cpu" backend takes the XLA
+    path instead and still matches the reference."""
+    case = ("page_128", 2, 1, 9, 3, 64, 128, 2, [130, 7], None)
+    args = paged_inputs(case, jnp.float32)
+    with pytest.raises(ValueError, match="up to 64 tokens"):
+        cpa.paged_attention_cpu(*args)
+    out = jax.jit(functools.partial(attn.paged_attention, backend="cpu"))(*args)
+    assert_close(out, paged_attention_reference(*args), jnp.float32)
+
+
 def test_native_build_error_names_the_compiler(monkeypatch, tmp_path):
     """No compiler: a NativeBuildError that names it, raised before anything is written."""
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")

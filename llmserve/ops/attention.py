@@ -35,9 +35,10 @@ logger = logging.getLogger("llmserve")
 BACKENDS = ("reference", "xla", "cpu", "pallas", "pallas_interpret")
 
 # The "cpu" backend sends a paged call to the native kernel when each kv head has at most this
-# many query rows (T * G). Measured (experiments/kernels.py, SmolLM2 heads, 2-core CPU): the
-# kernel is 2.5-5x faster than the XLA path at 3 rows (decode), even at 12 (verify, T=4), and
-# 2.5-4x slower at 384 (a 128-token prefill chunk), where XLA's batched matmuls win.
+# many query rows (T * G) and pages of at most 64 tokens. Measured (SmolLM2 heads, 2-core CPU,
+# B=32): the kernel is 3-5x faster than the XLA path at 3 rows (decode, context 512) and 2.4-3x
+# at 12 (verify, T=4, context 300), but 1.4x slower at 96 rows and up to 2x at 384 (prefill
+# chunks of 32 and 128 tokens), where XLA's batched matmuls win.
 CPU_NATIVE_MAX_ROWS = 32
 
 
@@ -89,7 +90,8 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, block_tables: Arra
     check_backend(backend)
     if backend == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, q_start, lengths)
-    if backend == "cpu" and q.shape[1] * (q.shape[2] // k_pages.shape[0]) <= CPU_NATIVE_MAX_ROWS:
+    if (backend == "cpu" and q.shape[1] * (q.shape[2] // k_pages.shape[0]) <= CPU_NATIVE_MAX_ROWS
+            and k_pages.shape[2] <= cpu_paged.MAX_PAGE_SIZE):
         return cpu_paged.paged_attention_cpu(q, k_pages, v_pages, block_tables, q_start, lengths)
     if backend in ("xla", "cpu"):
         return paged.paged_attention_xla(q, k_pages, v_pages, block_tables, q_start, lengths)

@@ -55,6 +55,9 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17
          "-fPIC", "-w")
 
 
+MAX_PAGE_SIZE = 64  # the kernel's per-page score accumulators hold at most this many keys
+
+
 class NativeBuildError(RuntimeError):
     """The native kernel could not be built or loaded (no compiler, a compile error, ...)."""
 
@@ -152,6 +155,9 @@ def paged_attention_cpu(q: Array, k_pages: Array, v_pages: Array, block_tables: 
     """
     _check_shapes(q, k_pages, v_pages, block_tables, q_start, lengths)
     _require()
+    if k_pages.shape[2] > MAX_PAGE_SIZE:
+        raise ValueError(f"the native kernel takes pages of up to {MAX_PAGE_SIZE} tokens, got "
+                         f"pages {k_pages.shape} (page size {k_pages.shape[2]})")
     if q.dtype not in (jnp.float32, jnp.bfloat16):
         raise TypeError(f"q must be float32 or bfloat16, got {q.dtype}")
     call = jax.ffi.ffi_call("llmserve_paged_attention_cpu",
@@ -191,4 +197,5 @@ def row_logsumexp_reference(x: Array) -> Array:
 
 
 __all__ = ["paged_attention_cpu", "row_logsumexp_cpu", "row_logsumexp_reference", "available",
-           "unavailable_reason", "build", "cache_dir", "NativeBuildError", "reference"]
+           "unavailable_reason", "build", "cache_dir", "NativeBuildError", "reference",
+           "MAX_PAGE_SIZE"]

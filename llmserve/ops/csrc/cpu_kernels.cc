@@ -84,6 +84,9 @@ inline void LoadRow(const uint16_t* src, float* dst, int64_t h) {
   for (int64_t i = 0; i < h; ++i) dst[i] = Bf16ToF32(src[i]);
 }
 
+inline float ToF32(float x) { return x; }
+inline float ToF32(uint16_t x) { return Bf16ToF32(x); }
+
 inline void StoreRow(const float* src, float* dst, int64_t h) {
   std::memcpy(dst, src, h * sizeof(float));
 }
@@ -101,27 +104,36 @@ struct Dims {
 struct Scratch {
   std::vector<float> q, acc, mx, den, kb, vb, sc;
   void Reserve(const Dims& d) {
-    const int64_t rows = d.t * d.groups;
-    q.resize(rows * d.h);
+    const int64_t rows = d.t * d.groups, rows4 = (rows + 3) / 4 * 4;
+    q.resize(rows4 * d.h);
     acc.resize(rows * d.h);
     mx.resize(rows);
     den.resize(rows);
     kb.resize(d.page_size * d.h);
     vb.resize(d.page_size * d.h);
-    sc.resize(d.page_size);
+    sc.resize(rows4 * d.page_size);
   }
 };
 
 // One (sequence b, kv head k) item: all T*G query rows of that head group over its pages.
-template <typename QT, typename PT>
+// kL: the page size when known at compile time (16, the default), else 0 (read from d).
+//
+// Per page, K is converted into a transposed float32 block kT [H, L] (keys contiguous), so the
+// scores of 4 query rows at a time are 4 x L-wide multiply-adds per head dim: no horizontal sum
+// per (row, key), which dominated a dot-product formulation. V stays [L, H]: each row adds
+// p[i] * V[i, :] with H-wide multiply-adds.
+template <typename QT, typename PT, int kL>
 void Item(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT* vp,
           const int32_t* tables, const int32_t* q_start, const int32_t* lengths, QT* out,
           Scratch& s) {
   const int64_t b = item / d.kh, k = item % d.kh;
-  const int64_t g = d.groups, h = d.h, size = d.page_size, rows = d.t * g;
+  const int64_t g = d.groups, h = d.h, rows = d.t * g;
+  const int64_t size = kL > 0 ? kL : d.page_size;
   const int64_t qs = q_start[b];
   const int64_t len = std::min<int64_t>(lengths[b], d.m * size);
   const int64_t kv_end = std::min<int64_t>(qs + d.t, len);  // keys 0 .. kv_end-1 are read
+  const int64_t rows4 = (rows + 3) / 4 * 4;  // rows padded to a multiple of 4 (zero queries)
+  std::fill(s.q.begin(), s.q.begin() + rows4 * h, 0.0f);
   for (int64_t r = 0; r < rows; ++r) {  // row r = t*G + gi is head k*G + gi of token t
     const int64_t t = r / g, gi = r % g;
     const QT* src = q + ((b * d.t + t) * d.n + k * g + gi) * h;
@@ -133,6 +145,8 @@ void Item(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT* vp,
   std::fill(s.acc.begin(), s.acc.begin() + rows * h, 0.0f);
   std::fill(s.mx.begin(), s.mx.begin() + rows, kMinusInf);
   std::fill(s.den.begin(), s.den.begin() + rows, 0.0f);
+  float* kt = s.kb.data();  // [H, L]
+  float* sc = s.sc.data();  // [rows4, L]
   const int64_t num_pages = kv_end > 0 ? (kv_end + size - 1) / size : 0;
   for (int64_t j = 0; j < num_pages; ++j) {
     int64_t page = tables[b * d.m + j];
@@ -140,30 +154,45 @@ void Item(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT* vp,
     const int64_t base = ((k * d.pages + page) * size) * h;
     const int64_t nk = std::min<int64_t>(size, kv_end - j * size);
     for (int64_t i = 0; i < nk; ++i) {
-      LoadRow(kp + base + i * h, &s.kb[i * h], h);
+      const PT* kr = kp + base + i * h;
+      for (int64_t e = 0; e < h; ++e) kt[e * size + i] = ToF32(kr[e]);
       LoadRow(vp + base + i * h, &s.vb[i * h], h);
+    }
+    for (int64_t i = nk; i < size; ++i) {  // keys past the end: zeros (masked below)
+      for (int64_t e = 0; e < h; ++e) kt[e * size + i] = 0.0f;
+    }
+    for (int64_t r0 = 0; r0 < rows4; r0 += 4) {  // scores of 4 rows: sc[r, i] = q[r] . k[i]
+      constexpr int64_t kW = kL > 0 ? kL : 64;  // accumulator width (registers when kL = 16)
+      float a[4][kW] = {};
+      const float* __restrict q0 = &s.q[r0 * h];
+      const float* __restrict kt0 = kt;
+      for (int64_t e = 0; e < h; ++e) {
+        const float c0 = q0[e], c1 = q0[h + e], c2 = q0[2 * h + e], c3 = q0[3 * h + e];
+        const float* __restrict ke = kt0 + e * size;
+#pragma omp simd
+        for (int64_t i = 0; i < (kL > 0 ? kL : size); ++i) {
+          a[0][i] += c0 * ke[i];
+          a[1][i] += c1 * ke[i];
+          a[2][i] += c2 * ke[i];
+          a[3][i] += c3 * ke[i];
+        }
+      }
+      for (int64_t x = 0; x < 4; ++x) std::memcpy(sc + (r0 + x) * size, a[x], size * 4);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t q_pos = qs + r / g;
       const int64_t last = std::min(q_pos, len - 1) - j * size;  // last visible key in the page
       if (last < 0) continue;
       const int64_t ns = std::min(nk, last + 1);
-      const float* qr = &s.q[r * h];
+      float* sr = sc + r * size;
       float m_new = s.mx[r];
-      for (int64_t i = 0; i < ns; ++i) {
-        const float* kr = &s.kb[i * h];
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t e = 0; e < h; ++e) dot += qr[e] * kr[e];
-        s.sc[i] = dot;
-        m_new = std::max(m_new, dot);
-      }
+      for (int64_t i = 0; i < ns; ++i) m_new = std::max(m_new, sr[i]);
       const float corr = ExpNonPositive(s.mx[r] - m_new);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < ns; ++i) {
-        s.sc[i] = ExpNonPositive(s.sc[i] - m_new);
-        sum += s.sc[i];
+        sr[i] = ExpNonPositive(sr[i] - m_new);
+        sum += sr[i];
       }
       s.den[r] = s.den[r] * corr + sum;
       s.mx[r] = m_new;
@@ -171,7 +200,7 @@ void Item(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT* vp,
 #pragma omp simd
       for (int64_t e = 0; e < h; ++e) acc[e] *= corr;
       for (int64_t i = 0; i < ns; ++i) {
-        const float p = s.sc[i];
+        const float p = sr[i];
         const float* vr = &s.vb[i * h];
 #pragma omp simd
         for (int64_t e = 0; e < h; ++e) acc[e] += p * vr[e];
@@ -223,9 +252,15 @@ void Run(ffi::ThreadPool& pool, const Dims& d, const void* q, const void* kp, co
   ParallelFor(pool, total, min_items, [=](int64_t item) {
     thread_local Scratch scratch;
     scratch.Reserve(d);
-    Item<QT, PT>(d, item, static_cast<const QT*>(q), static_cast<const PT*>(kp),
-                 static_cast<const PT*>(vp), tables, q_start, lengths, static_cast<QT*>(out),
-                 scratch);
+    if (d.page_size == 16) {
+      Item<QT, PT, 16>(d, item, static_cast<const QT*>(q), static_cast<const PT*>(kp),
+                       static_cast<const PT*>(vp), tables, q_start, lengths,
+                       static_cast<QT*>(out), scratch);
+    } else {
+      Item<QT, PT, 0>(d, item, static_cast<const QT*>(q), static_cast<const PT*>(kp),
+                      static_cast<const PT*>(vp), tables, q_start, lengths,
+                      static_cast<QT*>(out), scratch);
+    }
   });
 }
 
@@ -242,6 +277,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   Dims d{qd[0], qd[1], qd[2], qd[3], pd[0], pd[1], pd[2], td[1], 0, scale};
   if (pd[3] != d.h || d.n % d.kh != 0 || td[0] != d.b) {
     return ffi::Error::InvalidArgument("q, pages and block tables do not match");
+  }
+  if (d.page_size > 64) {  // the score accumulators hold at most 64 keys
+    return ffi::Error::InvalidArgument("page size must be <= 64");
   }
   if (k_pages.element_type() != v_pages.element_type()) {
     return ffi::Error::InvalidArgument("k_pages and v_pages differ in dtype");
