@@ -95,6 +95,69 @@ inline void StoreRow(const float* src, uint16_t* dst, int64_t h) {
   for (int64_t i = 0; i < h; ++i) dst[i] = F32ToBf16(src[i]);
 }
 
+// 16 x 16 float32 transpose with GCC vector extensions (vpermt2ps on AVX-512): four stages,
+// each swapping the off-diagonal s x s blocks (s = 8, 4, 2, 1) of every 2s x 2s block.
+typedef float V16f __attribute__((vector_size(64)));
+typedef int32_t V16i __attribute__((vector_size(64)));
+typedef uint16_t V16h __attribute__((vector_size(32)));
+typedef uint32_t V16u __attribute__((vector_size(64)));
+
+template <int kS>
+inline void SwapBlocks(V16f* v) {
+  // new_i[x] = x & s ? v_j[x - s] : v_i[x];  new_j[x] = x & s ? v_j[x] : v_i[x + s]  (j = i + s)
+  constexpr V16i lo = {(0 & kS) ? 16 + 0 - kS : 0, (1 & kS) ? 16 + 1 - kS : 1,
+                       (2 & kS) ? 16 + 2 - kS : 2, (3 & kS) ? 16 + 3 - kS : 3,
+                       (4 & kS) ? 16 + 4 - kS : 4, (5 & kS) ? 16 + 5 - kS : 5,
+                       (6 & kS) ? 16 + 6 - kS : 6, (7 & kS) ? 16 + 7 - kS : 7,
+                       (8 & kS) ? 16 + 8 - kS : 8, (9 & kS) ? 16 + 9 - kS : 9,
+                       (10 & kS) ? 16 + 10 - kS : 10, (11 & kS) ? 16 + 11 - kS : 11,
+                       (12 & kS) ? 16 + 12 - kS : 12, (13 & kS) ? 16 + 13 - kS : 13,
+                       (14 & kS) ? 16 + 14 - kS : 14, (15 & kS) ? 16 + 15 - kS : 15};
+  constexpr V16i hi = {(0 & kS) ? 16 + 0 : 0 + kS, (1 & kS) ? 16 + 1 : 1 + kS,
+                       (2 & kS) ? 16 + 2 : 2 + kS, (3 & kS) ? 16 + 3 : 3 + kS,
+                       (4 & kS) ? 16 + 4 : 4 + kS, (5 & kS) ? 16 + 5 : 5 + kS,
+                       (6 & kS) ? 16 + 6 : 6 + kS, (7 & kS) ? 16 + 7 : 7 + kS,
+                       (8 & kS) ? 16 + 8 : 8 + kS, (9 & kS) ? 16 + 9 : 9 + kS,
+                       (10 & kS) ? 16 + 10 : 10 + kS, (11 & kS) ? 16 + 11 : 11 + kS,
+                       (12 & kS) ? 16 + 12 : 12 + kS, (13 & kS) ? 16 + 13 : 13 + kS,
+                       (14 & kS) ? 16 + 14 : 14 + kS, (15 & kS) ? 16 + 15 : 15 + kS};
+  for (int i = 0; i < 16; ++i) {
+    if (i & kS) continue;
+    const V16f a = v[i], b = v[i + kS];
+    v[i] = __builtin_shuffle(a, b, lo);
+    v[i + kS] = __builtin_shuffle(a, b, hi);
+  }
+}
+
+inline V16f Load16(const float* p) {
+  V16f x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline V16f Load16(const uint16_t* p) {  // bf16 bits -> float32
+  V16h x;
+  std::memcpy(&x, p, sizeof(x));
+  const V16u wide = __builtin_convertvector(x, V16u) << 16;
+  V16f f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+// dst [H, 16] (keys contiguous) <- the 16 keys [16, H] at src (row stride h), H % 16 == 0.
+template <typename PT>
+inline void TransposePage16(const PT* src, int64_t h, float* dst) {
+  for (int64_t e0 = 0; e0 < h; e0 += 16) {
+    V16f v[16];
+    for (int i = 0; i < 16; ++i) v[i] = Load16(src + i * h + e0);
+    SwapBlocks<8>(v);
+    SwapBlocks<4>(v);
+    SwapBlocks<2>(v);
+    SwapBlocks<1>(v);
+    for (int e = 0; e < 16; ++e) std::memcpy(dst + (e0 + e) * 16, &v[e], sizeof(V16f));
+  }
+}
+
 struct Dims {
   int64_t b, t, n, h, kh, pages, page_size, m, groups;
   float scale;
@@ -153,14 +216,18 @@ void Item(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT* vp,
     page = std::min<int64_t>(std::max<int64_t>(page, 0), d.pages - 1);  // never read outside
     const int64_t base = ((k * d.pages + page) * size) * h;
     const int64_t nk = std::min<int64_t>(size, kv_end - j * size);
-    for (int64_t i = 0; i < nk; ++i) {
-      const PT* kr = kp + base + i * h;
-      for (int64_t e = 0; e < h; ++e) kt[e * size + i] = ToF32(kr[e]);
-      LoadRow(vp + base + i * h, &s.vb[i * h], h);
+    if (kL == 16 && nk == 16 && h % 16 == 0) {  // a full page: vector transpose
+      TransposePage16(kp + base, h, kt);
+    } else {
+      for (int64_t i = 0; i < nk; ++i) {
+        const PT* kr = kp + base + i * h;
+        for (int64_t e = 0; e < h; ++e) kt[e * size + i] = ToF32(kr[e]);
+      }
+      for (int64_t i = nk; i < size; ++i) {  // keys past the end: zeros (masked below)
+        for (int64_t e = 0; e < h; ++e) kt[e * size + i] = 0.0f;
+      }
     }
-    for (int64_t i = nk; i < size; ++i) {  // keys past the end: zeros (masked below)
-      for (int64_t e = 0; e < h; ++e) kt[e * size + i] = 0.0f;
-    }
+    for (int64_t i = 0; i < nk; ++i) LoadRow(vp + base + i * h, &s.vb[i * h], h);
     for (int64_t r0 = 0; r0 < rows4; r0 += 4) {  // scores of 4 rows: sc[r, i] = q[r] . k[i]
       constexpr int64_t kW = kL > 0 ? kL : 64;  // accumulator width (registers when kL = 16)
       float a[4][kW] = {};
