@@ -216,6 +216,17 @@ void Item(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT* vp,
     page = std::min<int64_t>(std::max<int64_t>(page, 0), d.pages - 1);  // never read outside
     const int64_t base = ((k * d.pages + page) * size) * h;
     const int64_t nk = std::min<int64_t>(size, kv_end - j * size);
+    if (j + 1 < num_pages) {  // pages are scattered: fetch the next one while this one computes
+      int64_t next = tables[b * d.m + j + 1];
+      next = std::min<int64_t>(std::max<int64_t>(next, 0), d.pages - 1);
+      const char* nk_ptr = reinterpret_cast<const char*>(kp + ((k * d.pages + next) * size) * h);
+      const char* nv_ptr = reinterpret_cast<const char*>(vp + ((k * d.pages + next) * size) * h);
+      const int64_t bytes = size * h * static_cast<int64_t>(sizeof(PT));
+      for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(nk_ptr + off);
+        __builtin_prefetch(nv_ptr + off);
+      }
+    }
     if (kL == 16 && nk == 16 && h % 16 == 0) {  // a full page: vector transpose
       TransposePage16(kp + base, h, kt);
     } else {
