@@ -16,8 +16,9 @@ CPU (any machine):
   Every point is the minimum over ``--roof_reps`` interleaved rounds of ``--iters`` calls, so
   other processes on a shared machine inflate all of them alike. ``--profile`` adds the
   per-fusion thread time of one call (jax.profiler trace).
-  Measured (2 shared cores, jax 0.10.2): paged_xla_c4 6.9-8.3x roof in f32, 7.6-9.8x in bf16;
-  gather_kv alone 2.3-3.6x (f32) and 4.2-5.1x (bf16).
+  Measured (2 shared cores, jax 0.10.2): paged_xla_c4 6.9-9.2x roof in f32, 7.6-9.8x in bf16;
+  gather_kv alone 2.3-3.6x (f32) and 2.2-5.1x (bf16); the native CPU kernel
+  (``paged_cpu_native``, ``ops/cpu_kernels.py``) 3.8x (f32) and 3.7x (bf16).
 
 GPU:
   python -m experiments.kernels --config=configs/kernels.py --config.decode_batch=8,32,64
