@@ -323,3 +323,14 @@ def test_xla_prefill_memory_at_16k_tokens():
           f"({naive / ours:.0f}x)")
     assert naive > 16 * 2**30
     assert ours * 50 <= naive, (naive, ours)
+
+
+def test_native_build_falls_back_to_tmp_when_the_cache_is_not_writable(monkeypatch):
+    """A read-only cache location (a locked-down home) still builds, into the temp directory."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ here")
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", "/proc/llmserve-not-writable")
+    path = cpa.build()
+    assert path.exists() and str(path).startswith(__import__("tempfile").gettempdir())

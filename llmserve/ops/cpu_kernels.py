@@ -15,8 +15,9 @@ a decode step and a verify step; the batch-invariant mode takes it from here ins
 
 Build: the first call compiles the source with the system C++ compiler (``$CXX``, else ``g++``,
 ``-O3 -march=native``) into a cache directory (``$LLMSERVE_CACHE_DIR``, else
-``~/.cache/llmserve``) keyed by the source, the flags, the compiler and the host CPU, and
-registers it with XLA; later processes load the cached library (~3 s to build once).
+``~/.cache/llmserve``; the temporary directory when that is not writable) keyed by the source,
+the flags, the compiler and the host CPU, and registers it with XLA; later processes load the
+cached library (~3 s to build once).
 ``available()`` says whether that worked; ``attention.default_backend()`` picks this kernel
 ("cpu") on CPU when it is available and falls back to the XLA path otherwise, logging why.
 
@@ -99,10 +100,19 @@ def build(force: bool = False) -> Path:
     include = jax.ffi.include_dir()
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
                                      _cpu_fingerprint().encode(), include.encode()]))
-    out = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    out = cache_dir() / name
     if out.exists() and not force:
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(out.parent, os.W_OK):
+            raise PermissionError(str(out.parent))
+    except OSError:  # a read-only home: build into the temporary directory instead
+        out = Path(tempfile.gettempdir()) / f"llmserve-native-{os.getuid()}" / name
+        if out.exists() and not force:
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
     # Build into a temporary name, then rename: parallel test workers may build at once.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
