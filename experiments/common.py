@@ -304,3 +304,16 @@ def loss_curve(directory: str, history: Sequence[dict], title: str) -> str:
     losses = [h["loss"] for h in history if "loss" in h]
     return line_plot(os.path.join(directory, "loss.png"), {"train loss": (steps, losses)},
                      "step", "loss", title)
+
+
+def load_model_or_preset(cfg):
+    """(ModelConfig, params) for ``cfg.model`` / ``cfg.dtype``: SmolLM2-135M-Instruct when
+    ``cfg.model`` is empty, else that random-weight preset (seed 3)."""
+    from llmserve.checkpoint import load_checkpoint
+    from llmserve.config import preset
+    from llmserve.model import init_params
+
+    if cfg.model:
+        mcfg = preset(cfg.model).replace(dtype=cfg.dtype)
+        return mcfg, init_params(mcfg, seed=3)
+    return load_checkpoint(None, dtype=cfg.dtype)

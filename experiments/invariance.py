@@ -26,14 +26,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/invariance.py", "co
 
 
 def load(cfg):
-    from llmserve.checkpoint import load_checkpoint
-    from llmserve.config import preset
-    from llmserve.model import init_params
-
-    if cfg.model:
-        mcfg = preset(cfg.model).replace(dtype=cfg.dtype)
-        return mcfg, init_params(mcfg, seed=3)
-    return load_checkpoint(None, dtype=cfg.dtype)
+    """(ModelConfig, params): SmolLM2-135M-Instruct, or a random-weight preset."""
+    return common.load_model_or_preset(cfg)
 
 
 def engine_kwargs(cfg) -> dict:

@@ -82,14 +82,7 @@ def breakdown(events: list[dict], steps: int) -> dict[str, float]:
 
 def load(cfg):
     """(ModelConfig, params): SmolLM2-135M-Instruct, or a random-weight preset."""
-    from llmserve.checkpoint import load_checkpoint
-    from llmserve.config import preset
-    from llmserve.model import init_params
-
-    if cfg.model:
-        mcfg = preset(cfg.model).replace(dtype=cfg.dtype)
-        return mcfg, init_params(mcfg, seed=3)
-    return load_checkpoint(None, dtype=cfg.dtype)
+    return common.load_model_or_preset(cfg)
 
 
 def fill(engine, cfg, vocab: int) -> None:

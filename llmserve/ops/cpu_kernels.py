@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llmserve.ops.paged_attention import _check_shapes, paged_attention_reference
+from llmserve.ops.paged_attention import check_paged_shapes, paged_attention_reference
 
 Array = jax.Array
 logger = logging.getLogger("llmserve")
@@ -163,7 +163,7 @@ def paged_attention_cpu(q: Array, k_pages: Array, v_pages: Array, block_tables: 
     q is float32 or bfloat16; pages float32, bfloat16 or uint16 bit patterns of bfloat16 (the
     CPU cache's storage). Accumulation and softmax are float32. CPU only.
     """
-    _check_shapes(q, k_pages, v_pages, block_tables, q_start, lengths)
+    check_paged_shapes(q, k_pages, v_pages, block_tables, q_start, lengths)
     _require()
     if k_pages.shape[2] > MAX_PAGE_SIZE:
         raise ValueError(f"the native kernel takes pages of up to {MAX_PAGE_SIZE} tokens, got "

@@ -91,7 +91,9 @@ def _paged_kernel(q_start_ref, lengths_ref, block_table_ref, q_ref, k_pages_ref,
     o_ref[...] = finish(acc, l).astype(o_ref.dtype)
 
 
-def _check_shapes(q, k_pages, v_pages, block_tables, q_start, lengths):
+def check_paged_shapes(q, k_pages, v_pages, block_tables, q_start, lengths):
+    """Raises ValueError naming the shapes unless q [B,T,N,H], pages [K,P,L,H] (N divisible by K),
+    block_tables [B,M], q_start [B] and lengths [B] agree (every paged backend checks this)."""
     if q.ndim != 4 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"want q [B,T,N,H], pages [K,P,L,H]; got q {q.shape}, "
                          f"k_pages {k_pages.shape}, v_pages {v_pages.shape}")
@@ -115,7 +117,7 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, block_tables: Arra
     T is small (1 for decode, K+1 for verify, a chunk for chunked prefill); the T*G rows of a kv
     head are scored in one program. L and H must be powers of two >= 16 (Triton tiles).
     """
-    _check_shapes(q, k_pages, v_pages, block_tables, q_start, lengths)
+    check_paged_shapes(q, k_pages, v_pages, block_tables, q_start, lengths)
     b, t, n, h = q.shape
     kh, _, page_size, _ = k_pages.shape
     for name, val in (("page size L", page_size), ("head dim H", h)):
@@ -220,7 +222,7 @@ def paged_attention_xla(q: Array, k_pages: Array, v_pages: Array, block_tables: 
     operands. Both read K/V in the storage dtype and accumulate in float32; scores are
     [K, B, R, S] so the softmax runs along the contiguous key axis.
     """
-    _check_shapes(q, k_pages, v_pages, block_tables, q_start, lengths)
+    check_paged_shapes(q, k_pages, v_pages, block_tables, q_start, lengths)
     b, t, n, h = q.shape
     kh, num_pages, page_size, _ = k_pages.shape
     g = n // kh
@@ -285,5 +287,6 @@ def paged_attention_reference(q: Array, k_pages: Array, v_pages: Array, block_ta
     return attention_reference(q, k, v, q_start, lengths)
 
 
-__all__ = ["paged_attention", "paged_attention_xla", "paged_attention_reference", "gather_pages",
-           "page_rows", "logical_dtype", "as_logical", "BF16_BITS"]
+__all__ = ["paged_attention", "paged_attention_xla", "check_paged_shapes",
+           "paged_attention_reference", "gather_pages", "page_rows", "logical_dtype", "as_logical",
+           "BF16_BITS"]
