@@ -229,6 +229,10 @@ NATIVE_ONLY = [
     ("prefill_chunk_g3", 2, 40, 9, 3, 64, 16, 6, [70, 40], [30, 0]),
     ("decode_batch_40", 40, 1, 9, 3, 64, 16, 8, list(range(1, 121, 3)), None),
     ("decode_one_page_h32", 3, 1, 4, 2, 32, 8, 1, [8, 1, 5], None),
+    # The AVX-512 path at head dim 32 (two vectors a row): 6 rows per item, in chunks of 4 + 2.
+    ("verify_t3_h32_l16", 3, 3, 4, 2, 32, 16, 3, [40, 3, 17], None),
+    # Head dim 128 (8 vectors a row, 2 rows at a time), 9 rows per item, a partial last page.
+    ("verify_t3_h128_g3", 2, 3, 6, 2, 128, 16, 3, [45, 19], None),
 ]
 
 
