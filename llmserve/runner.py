@@ -139,20 +139,24 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         drafts = eagle.drafts[inp.slot_ids[: inp.parts[0].block_tables.shape[0]]]
     # A sequence's sampler row was filled from its tokens when it was (re)admitted
     # (``init_sampler_rows``); each step only adds the tokens it emits.
-    counts = sstate.counts[inp.slot_ids]
-    pmask = sstate.prompt_mask[inp.slot_ids]
     r = inp.sample_index.shape[0]
     if not inp.verify:
         logits, cache, *hidden = forward(params, cache, inp, cfg=cfg, backend=backend,
                                          min_rows=min_rows, return_hidden=eagle is not None)
         logits = suppress(logits[:, None], inp)[:, 0]  # [R, V]
-        out = sampling.sample(logits, inp.sampling, inp.sample_pos, counts, pmask,
-                              num_logprobs=num_logprobs, fixed_order=fixed_order)
-        counts = sampling.update_counts(counts, out.tokens, inp.emit)
+        # The penalty rows are read only when a row has a penalty (inside sample's cond), and
+        # the emitted tokens are counted in place: no [R, V] gather and write-back per step.
+        out = sampling.sample(logits, inp.sampling, inp.sample_pos, num_logprobs=num_logprobs,
+                              fixed_order=fixed_order,
+                              history=(sstate.counts, sstate.prompt_mask, inp.slot_ids))
+        sstate = sstate.replace(counts=sstate.counts.at[inp.slot_ids, out.tokens].add(
+            inp.emit.astype(jnp.int32)))
         result = StepOutput(tokens=out.tokens[:, None], logprobs=out.logprobs[:, None],
                             top_ids=out.top_ids[:, None], top_logprobs=out.top_logprobs[:, None],
                             num_accepted=jnp.zeros(r, jnp.int32))
     else:
+        counts = sstate.counts[inp.slot_ids]
+        pmask = sstate.prompt_mask[inp.slot_ids]
         part = inp.parts[0]
         bv, w = part.block_tables.shape[0], part.t
         if drafts is not None:  # a draft model's tokens enter here, on the device
@@ -198,8 +202,7 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
                 top_logprobs=jnp.concatenate([top_lp, pad(out.top_logprobs, 0.0)]),
                 num_accepted=jnp.concatenate([ver.num_accepted,
                                               jnp.zeros(r - bv, jnp.int32)]))
-        counts = new_counts
-    sstate = sstate.replace(counts=sstate.counts.at[inp.slot_ids].set(counts))
+        sstate = sstate.replace(counts=sstate.counts.at[inp.slot_ids].set(new_counts))
     if eagle is not None:
         eagle = _eagle_after_step(params, eagle, inp, hidden[0], result, eagle_cfg, backend)
         return result, cache, sstate, eagle

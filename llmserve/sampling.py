@@ -134,10 +134,30 @@ def apply_penalties(
 
 
 def _maybe_penalize(
-    logits: Array, arrays: SamplingArrays, output_counts: Array | None, prompt_mask: Array | None
+    logits: Array, arrays: SamplingArrays, output_counts: Array | None, prompt_mask: Array | None,
+    history: tuple[Array, Array, Array] | None = None,
 ) -> Array:
-    """apply_penalties behind a cond, skipped when no row has a penalty (or no history given)."""
+    """apply_penalties behind a cond, skipped when no row has a penalty (or no history given).
+
+    ``history`` = (counts table [S, V], prompt-mask table [S, V], rows [B]): the rows are gathered
+    inside the cond, so a step without penalties never reads the [B, V] history at all.
+    """
     logits = logits.astype(jnp.float32)
+    if history is not None:
+        if output_counts is not None or prompt_mask is not None:
+            raise ValueError("pass either history or output_counts/prompt_mask, not both")
+        counts_table, mask_table, rows = history
+        active = (
+            (arrays.repetition_penalty != 1.0)
+            | (arrays.frequency_penalty != 0.0)
+            | (arrays.presence_penalty != 0.0)
+        )
+        return jax.lax.cond(
+            jnp.any(active),
+            lambda x: apply_penalties(x, arrays, counts_table[rows], mask_table[rows]),
+            lambda x: x,
+            logits,
+        )
     if output_counts is None and prompt_mask is None:
         return logits
     if output_counts is None:
@@ -385,6 +405,7 @@ def sample(
     *,
     num_logprobs: int = 0,
     fixed_order: bool = False,
+    history: tuple[Array, Array, Array] | None = None,
 ) -> SampleOutput:
     """Draws one token per row.
 
@@ -395,9 +416,11 @@ def sample(
     Logprobs are of the RAW model distribution (vLLM's default), and `top_ids`/`top_logprobs`
     hold the num_logprobs (static) best raw tokens, shape [B, 0] when 0. ``fixed_order``: the
     logprobs' log-sum-exp in a fixed reduction order (``logsumexp``; batch-invariant mode).
+    ``history`` = (counts table, prompt-mask table, rows [B]) instead of ``output_counts`` and
+    ``prompt_mask``: the penalty rows are gathered only when some row has a penalty.
     """
     logits = logits.astype(jnp.float32)
-    penalized = _maybe_penalize(logits, arrays, output_counts, prompt_mask)  # [B, V]
+    penalized = _maybe_penalize(logits, arrays, output_counts, prompt_mask, history)  # [B, V]
     greedy = _is_greedy(arrays)
     greedy_tokens = argmax(penalized)  # [B]
 
