@@ -5,9 +5,11 @@ r"""Where one engine decode step's time goes, per attention backend: a jax.profi
 See configs/step_profile.py. Writes results/step_profile/<timestamp>/results.json and a stacked
 bar plot (device time per part, plus host time, per backend).
 
-The trace's XLA op events are attributed by name: ``ffi_call`` (the native CPU kernels: paged
-attention, and the fixed-order log-sum-exp, which only the batch-invariant mode calls) and
-``while`` loops (the XLA paged-attention path's page walk) are attention; ``ynn_fusion`` /
+The trace's XLA op events are attributed by name: an ``ffi_call`` (a native CPU kernel) by its
+custom-call target, read from the optimized HLO that XLA dumps into a temporary directory
+(``--xla_dump_to``): the bf16 matmul is a matmul, paged attention is attention, the fixed-order
+log-sum-exp is "other"; ``while`` loops (the XLA paged-attention path's page walk) are
+attention; ``ynn_fusion`` /
 ``dot`` / ``onednn`` / ``matmul`` / ``convolution`` are matmuls (XLA:CPU hands the weight dots to
 XNNPACK); ``gather`` / ``scatter`` / ``dynamic-update-slice`` are the embedding and K/V moves;
 the rest (norms, RoPE, sampling, elementwise fusions) is "other". An op nested inside another
@@ -23,6 +25,8 @@ import glob
 import gzip
 import json
 import os
+import re
+import shutil
 import tempfile
 import time
 
@@ -37,15 +41,26 @@ except ImportError:  # run as a script: python experiments/step_profile.py
 
 common.quiet_startup()
 
+# XLA dumps every compiled module's optimized HLO here (set before jax starts its backend), so
+# FFI calls can be told apart by their custom-call target.
+_DUMP_DIR = tempfile.mkdtemp(prefix="llmserve-step-profile-hlo-")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={_DUMP_DIR}"
+                           " --xla_dump_hlo_as_text").strip()
+
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/step_profile.py", "config",
                                           lock_config=True)
 
 PARTS = ("matmul", "attention", "gather/scatter", "other")
 
 
-def part_of(name: str) -> str:
-    """The part of a step an XLA op event belongs to, from its name."""
+def part_of(name: str, target: str = "") -> str:
+    """The part of a step an XLA op event belongs to, from its name (and an FFI call's
+    custom-call target, when known)."""
     low = name.lower()
+    if target:
+        if "matmul" in target:
+            return "matmul"
+        return "attention" if "attention" in target else "other"
     if low.startswith(("ffi_call", "custom-call", "custom_call", "while")):
         return "attention"
     if any(k in low for k in ("ynn_fusion", "dot", "onednn", "matmul", "convolution", "xnn")):
@@ -63,8 +78,28 @@ def is_op(event: dict) -> bool:
             and not name.startswith(("PjitFunction", "np.asarray", "ThunkExecutor")))
 
 
-def breakdown(events: list[dict], steps: int) -> dict[str, float]:
+def custom_call_targets(dump_dir: str, rows: int) -> dict[str, str]:
+    """Instruction name -> custom-call target in the traced program, from XLA's optimized HLO
+    dumps. Every step shape compiles a module named ``jit__step`` (instruction names repeat
+    across them), so the traced one is told apart by its attention calls: the decode-only
+    program of ``rows`` rows has only [rows, 1, N, H] paged-attention queries."""
+    best = {}
+    for path in sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))):
+        with open(path) as fh:
+            text = fh.read()
+        calls = re.findall(r"%?([\w.\-]+) = (\w+)\[([\d,]*)\][^\n]*"
+                           r"custom_call_target=\"([^\"]+)\"", text)
+        shapes = {dims for _, _, dims, target in calls if "attention" in target}
+        if shapes and all(d.split(",")[:2] == [str(rows), "1"] for d in shapes):
+            best = {name: target for name, _, _, target in calls}
+            break
+    return best
+
+
+def breakdown(events: list[dict], steps: int,
+              targets: dict[str, str] | None = None) -> dict[str, float]:
     """Milliseconds per step in each part, nested ops counted once (in their outermost op)."""
+    targets = targets or {}
     by_thread = collections.defaultdict(list)
     for e in events:
         if is_op(e):
@@ -75,7 +110,7 @@ def breakdown(events: list[dict], steps: int) -> dict[str, float]:
         end = -1.0
         for e in evs:
             if e["ts"] >= end:  # not inside the previous outermost op
-                out[part_of(e["name"])] += e["dur"] / 1e3 / steps
+                out[part_of(e["name"], targets.get(e["name"], ""))] += e["dur"] / 1e3 / steps
                 end = e["ts"] + e["dur"]
     return out
 
@@ -117,7 +152,7 @@ def profile(engine, cfg) -> dict:
         with gzip.open(path) as fh:
             trace = json.load(fh)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    parts = breakdown(events, cfg.trace_steps)
+    parts = breakdown(events, cfg.trace_steps, custom_call_targets(_DUMP_DIR, cfg.batch))
     top = collections.Counter()
     for e in events:
         if is_op(e):
@@ -197,6 +232,7 @@ def main(argv):
              "host share: one step with the device call synchronized"]
     path = common.write_results(out, "step_profile", cfg, results, summary, notes, [png],
                                 table=table)
+    shutil.rmtree(_DUMP_DIR, ignore_errors=True)
     print(f"wrote {path} and {png}")
 
 

@@ -28,6 +28,7 @@ from jax import lax
 
 from llmserve.config import ModelConfig
 from llmserve.kv_cache import AttentionMetadata
+from llmserve.ops import cpu_kernels
 
 Array = jax.Array
 
@@ -83,15 +84,22 @@ class RMSNorm(nn.Module):
 MIN_BF16_ROWS = 2
 
 
-def matmul_f32(x: Array, w: Array, transpose_w: bool = False) -> Array:
+def matmul_f32(x: Array, w: Array, transpose_w: bool = False, native: bool = False) -> Array:
     """x [..., D] @ w [D, F] (or w [F, D].T) -> [..., F] float32.
 
     x is cast to w's dtype; accumulation is float32 (``preferred_element_type``). A bf16 call with
     fewer than MIN_BF16_ROWS rows is padded (a static-shape decision, made at trace time).
+    ``native`` (the "cpu" backend): a bf16 weight goes to the native AVX512_BF16 matmul
+    (``ops.cpu_kernels.matmul_bf16_cpu``, 1.5-2x XLA's at 8-32 rows) when this CPU has it and
+    the shape suits it; every other case stays on XLA's dot.
     """
     lead, d = x.shape[:-1], x.shape[-1]
     rows = int(np.prod(lead, dtype=np.int64))
     x2 = x.reshape(rows, d).astype(w.dtype)
+    f = w.shape[0] if transpose_w else w.shape[1]
+    if (native and w.dtype == jnp.bfloat16 and cpu_kernels.matmul_bf16_supported(d, f, transpose_w)
+            and cpu_kernels.has_bf16_matmul()):
+        return cpu_kernels.matmul_bf16_cpu(x2, w, transpose_w).reshape(*lead, f)
     if w.dtype == jnp.bfloat16 and rows < MIN_BF16_ROWS:
         x2 = jnp.pad(x2, ((0, MIN_BF16_ROWS - rows), (0, 0)))
     y = lax.dot_general(x2, w, (((1,), (1 if transpose_w else 0,)), ((), ())),
@@ -109,12 +117,13 @@ class Dense(nn.Module):
     features: int
     use_bias: bool = False
     dtype: Any = jnp.float32
+    native: bool = False  # matmul_f32's native bf16 matmul (the "cpu" backend)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         kernel = self.param("kernel", nn.initializers.normal(0.02),
                             (x.shape[-1], self.features), self.dtype)
-        y = matmul_f32(x, kernel)
+        y = matmul_f32(x, kernel, native=self.native)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
             y = y + bias.astype(jnp.float32)
@@ -136,13 +145,14 @@ class Embed(nn.Module):
         """tokens [B, T] -> [B, T, D] float32 (gathers rows; never converts the whole table)."""
         return jnp.take(self.embedding, tokens, axis=0).astype(jnp.float32)
 
-    def attend(self, x: Array) -> Array:
+    def attend(self, x: Array, native: bool = False) -> Array:
         """x [B, T, D] -> logits [B, T, V] float32 (tied output projection)."""
-        return matmul_f32(x, self.embedding, transpose_w=True)
+        return matmul_f32(x, self.embedding, transpose_w=True, native=native)
 
 
-def _dense(features: int, name: str, cfg: ModelConfig, bias: bool = False) -> Dense:
-    return Dense(features, use_bias=bias, dtype=cfg.jnp_dtype, name=name)
+def _dense(features: int, name: str, cfg: ModelConfig, bias: bool = False,
+           backend: str = "xla") -> Dense:
+    return Dense(features, use_bias=bias, dtype=cfg.jnp_dtype, native=backend == "cpu", name=name)
 
 
 class Attention(nn.Module):
@@ -156,15 +166,15 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         n, k, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q = _dense(n * h, "q_proj", cfg, cfg.qkv_bias)(x).reshape(b, t, n, h)
-        kk = _dense(k * h, "k_proj", cfg, cfg.qkv_bias)(x).reshape(b, t, k, h)
-        vv = _dense(k * h, "v_proj", cfg, cfg.qkv_bias)(x).reshape(b, t, k, h)
+        q = _dense(n * h, "q_proj", cfg, cfg.qkv_bias, backend)(x).reshape(b, t, n, h)
+        kk = _dense(k * h, "k_proj", cfg, cfg.qkv_bias, backend)(x).reshape(b, t, k, h)
+        vv = _dense(k * h, "v_proj", cfg, cfg.qkv_bias, backend)(x).reshape(b, t, k, h)
         inv_freq = rope_frequencies(cfg)
         # RoPE in f32; attention then reads q and the cache in the storage dtype (f32 dots).
         q = apply_rope(q, meta.positions, inv_freq).astype(cfg.jnp_dtype)
         kk = apply_rope(kk, meta.positions, inv_freq)
         out, cache = cache.update_and_attend(self.layer, q, kk, vv, meta, backend)  # [B,T,N,H]
-        out = _dense(cfg.d_model, "o_proj", cfg)(out.reshape(b, t, n * h))
+        out = _dense(cfg.d_model, "o_proj", cfg, backend=backend)(out.reshape(b, t, n * h))
         return out, cache
 
 
@@ -174,11 +184,11 @@ class MLP(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, backend: str = "xla") -> Array:
         cfg = self.cfg
-        gate = _dense(cfg.ffn_dim, "gate_proj", cfg)(x)
-        up = _dense(cfg.ffn_dim, "up_proj", cfg)(x)
-        return _dense(cfg.d_model, "down_proj", cfg)(nn.silu(gate) * up)
+        gate = _dense(cfg.ffn_dim, "gate_proj", cfg, backend=backend)(x)
+        up = _dense(cfg.ffn_dim, "up_proj", cfg, backend=backend)(x)
+        return _dense(cfg.d_model, "down_proj", cfg, backend=backend)(nn.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -193,7 +203,8 @@ class Block(nn.Module):
         h = RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="attn_norm")(x)
         a, cache = Attention(cfg, self.layer, name="attn")(h, meta, cache, backend)
         x = x + a
-        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="mlp_norm")(x))
+        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="mlp_norm")(x),
+                                     backend)
         return x, cache
 
 
@@ -227,9 +238,9 @@ class Transformer(nn.Module):
         hidden = x
         x = RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
-            logits = embed.attend(x)
+            logits = embed.attend(x, native=backend == "cpu")
         else:
-            logits = _dense(cfg.vocab_size, "lm_head", cfg)(x)
+            logits = _dense(cfg.vocab_size, "lm_head", cfg, backend=backend)(x)
         if return_hidden:
             hidden = every if return_hidden == "all" else hidden
             return logits.astype(jnp.float32), cache, hidden.astype(jnp.float32)

@@ -50,7 +50,8 @@ Array = jax.Array
 logger = logging.getLogger("llmserve")
 
 TARGETS = {"llmserve_paged_attention_cpu": "LlmservePagedAttention",
-           "llmserve_row_logsumexp_cpu": "LlmserveRowLogsumexp"}  # XLA name -> C symbol
+           "llmserve_row_logsumexp_cpu": "LlmserveRowLogsumexp",
+           "llmserve_matmul_bf16_cpu": "LlmserveMatmulBf16"}  # XLA name -> C symbol
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cc"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared",
          "-fPIC", "-w")
@@ -141,9 +142,64 @@ def _load() -> Optional[str]:
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
+        _HAS_BF16_MATMUL.append(bool(lib.LlmserveHasBf16Matmul()))
     except (NativeBuildError, OSError, AttributeError) as e:
         return str(e)
     return None
+
+
+_HAS_BF16_MATMUL: list = []  # filled by _load: whether the build has the AVX512_BF16 matmul
+
+
+def has_bf16_matmul() -> bool:
+    """True when the native bf16 matmul is usable here (the kernel built, and the CPU has
+    AVX512_BF16); the model then routes its bf16 weight matmuls to it on the "cpu" backend."""
+    if os.environ.get("LLMSERVE_NATIVE_MATMUL", "1") == "0":
+        return False
+    return _load() is None and bool(_HAS_BF16_MATMUL and _HAS_BF16_MATMUL[0])
+
+
+def matmul_bf16_supported(k: int, n: int, transpose_w: bool) -> bool:
+    """Whether the native matmul takes x [M, k] against a weight with n output columns."""
+    return k % 32 == 0 and n % (4 if transpose_w else 32) == 0 and k > 0 and n > 0
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def matmul_bf16_cpu(x: Array, w: Array, transpose_w: bool = False) -> Array:
+    """x [M, K] bf16 @ w [K, N] (or w [N, K].T when ``transpose_w``) bf16 -> [M, N] float32,
+    accumulated in float32 (vdpbf16ps: each bf16 product exact). Every row's arithmetic is
+    independent of the other rows. CPU with AVX512_BF16 only (``has_bf16_matmul``); the
+    derivative is the plain jnp one (for training code that reaches it)."""
+    if x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"want bf16 x [M, K] and w 2-D, got x {x.dtype}{x.shape}, "
+                         f"w {w.dtype}{w.shape}")
+    k, n = (w.shape[1], w.shape[0]) if transpose_w else w.shape
+    if x.shape[1] != k or not matmul_bf16_supported(k, n, transpose_w):
+        raise ValueError(f"matmul shapes x {x.shape}, w {w.shape} (transpose_w={transpose_w}): "
+                         f"need matching K with K % 32 == 0 and N % "
+                         f"{4 if transpose_w else 32} == 0")
+    _require()
+    if not has_bf16_matmul():
+        raise NativeBuildError("this CPU (or build) has no AVX512_BF16 matmul")
+    call = jax.ffi.ffi_call("llmserve_matmul_bf16_cpu",
+                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, w, transpose_w=bool(transpose_w))
+
+
+def matmul_bf16_reference(x: Array, w: Array, transpose_w: bool = False) -> Array:
+    """The oracle: XLA's dot with float32 accumulation."""
+    return jax.lax.dot_general(x, w, (((1,), (1 if transpose_w else 0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+@matmul_bf16_cpu.defjvp
+def _matmul_bf16_cpu_jvp(transpose_w, primals, tangents):
+    x, w = primals
+    dx, dw = tangents
+    y = matmul_bf16_cpu(x, w, transpose_w)
+    dy = (matmul_bf16_reference(dx, w, transpose_w) + matmul_bf16_reference(x, dw, transpose_w))
+    return y, dy
 
 
 def available() -> bool:
@@ -207,5 +263,7 @@ def row_logsumexp_reference(x: Array) -> Array:
 
 
 __all__ = ["paged_attention_cpu", "row_logsumexp_cpu", "row_logsumexp_reference", "available",
+           "matmul_bf16_cpu", "matmul_bf16_reference", "has_bf16_matmul",
+           "matmul_bf16_supported",
            "unavailable_reason", "build", "cache_dir", "NativeBuildError", "reference",
            "MAX_PAGE_SIZE"]

@@ -625,6 +625,185 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+
+// ---- bf16 matmul with float32 accumulation (AVX512_BF16): x [M, K] @ w -> out [M, N] f32 ----
+//
+// Why: XLA:CPU's bf16 dots (XNNPACK) run SmolLM2's decode-step matmuls at about a third of this
+// CPU's vdpbf16ps peak. Two layouts, both read in place (no packing copy of the weights):
+//   w [K, N] (a Dense kernel): rows k and k+1 of a 64-column block are interleaved into bf16
+//     pairs with two unpacks, and every x row's pair (x[m, k], x[m, k+1]) multiplies them with
+//     vdpbf16ps into 4 accumulators; unpack's lane order is undone once, at the store.
+//   w [N, K] (the tied vocabulary projection, x @ E^T): 4 vocabulary rows x up to 4 x rows are
+//     dotted 32 dims at a time, each (row, column) summed horizontally at the end.
+// Work is split over XLA's thread pool by column blocks; each block of weights is read from
+// memory once and reused from cache by every block of x rows. A row's arithmetic never depends
+// on the other rows (batch invariant).
+#if defined(__AVX512BF16__)
+template <int MR, int NV>
+inline void GemmKNTile(const uint16_t* x, int64_t k_dim, int64_t m0, const uint16_t* w,
+                       int64_t n, int64_t n0, float* out) {
+  __m512 acc[MR][2 * NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 2 * NV; ++v) acc[m][v] = _mm512_setzero_ps();
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x + m0 * k_dim);
+  const int64_t pairs = k_dim / 2;
+  // The block's rows are n * 2 bytes apart: each lands on another 4 KiB page, where hardware
+  // prefetchers stop, so the first row tile fetches kPrefetch pairs of rows ahead itself.
+  constexpr int64_t kPrefetch = 32;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* w0 = w + (2 * kp) * n + n0;
+    const uint16_t* w1 = w0 + n;
+    if (m0 == 0 && kp + kPrefetch < pairs) {
+      const char* p0 = reinterpret_cast<const char*>(w0 + 2 * kPrefetch * n);
+      const char* p1 = p0 + 2 * n;
+      for (int v = 0; v < NV; ++v) {
+        _mm_prefetch(p0 + 64 * v, _MM_HINT_T0);
+        _mm_prefetch(p1 + 64 * v, _MM_HINT_T0);
+      }
+    }
+    __m512i lo[NV], hi[NV];
+    for (int v = 0; v < NV; ++v) {
+      const __m512i r0 = _mm512_loadu_si512(w0 + 32 * v);
+      const __m512i r1 = _mm512_loadu_si512(w1 + 32 * v);
+      lo[v] = _mm512_unpacklo_epi16(r0, r1);
+      hi[v] = _mm512_unpackhi_epi16(r0, r1);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * pairs + kp]));
+      for (int v = 0; v < NV; ++v) {
+        acc[m][2 * v] = _mm512_dpbf16_ps(acc[m][2 * v], (__m512bh)lo[v], a);
+        acc[m][2 * v + 1] = _mm512_dpbf16_ps(acc[m][2 * v + 1], (__m512bh)hi[v], a);
+      }
+    }
+  }
+  // unpacklo holds columns {0-3, 8-11, 16-19, 24-27} of its 32, unpackhi the others.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                           30, 31);
+  for (int m = 0; m < MR; ++m) {
+    float* o = out + (m0 + m) * n + n0;
+    for (int v = 0; v < NV; ++v) {
+      _mm512_storeu_ps(o + 32 * v, _mm512_permutex2var_ps(acc[m][2 * v], first, acc[m][2 * v + 1]));
+      _mm512_storeu_ps(o + 32 * v + 16,
+                       _mm512_permutex2var_ps(acc[m][2 * v], second, acc[m][2 * v + 1]));
+    }
+  }
+}
+
+template <int NV>
+inline void GemmKNColumns(const uint16_t* x, int64_t m_dim, int64_t k_dim, const uint16_t* w,
+                          int64_t n, int64_t n0, float* out) {
+  constexpr int kMR = 6;
+  int64_t m0 = 0;
+  for (; m0 + kMR <= m_dim; m0 += kMR) GemmKNTile<kMR, NV>(x, k_dim, m0, w, n, n0, out);
+  switch (m_dim - m0) {
+    case 1: GemmKNTile<1, NV>(x, k_dim, m0, w, n, n0, out); break;
+    case 2: GemmKNTile<2, NV>(x, k_dim, m0, w, n, n0, out); break;
+    case 3: GemmKNTile<3, NV>(x, k_dim, m0, w, n, n0, out); break;
+    case 4: GemmKNTile<4, NV>(x, k_dim, m0, w, n, n0, out); break;
+    case 5: GemmKNTile<5, NV>(x, k_dim, m0, w, n, n0, out); break;
+    default: break;
+  }
+}
+
+template <int MR>
+inline void GemmNKTile(const uint16_t* x, int64_t k_dim, int64_t m0, const uint16_t* w,
+                       int64_t n, int64_t n0, float* out) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < k_dim; k0 += 32) {
+    __m512i wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(w + (n0 + j) * k_dim + k0);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * k_dim + k0);
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, (__m512bh)wv[j]);
+    }
+  }
+  // Sum each of the 16 accumulators in one transposing tree: a[4 j + m] (vocabulary row j, x
+  // row m) ends up in lane 4 m + j, so x row m's four logits are one 128-bit store. Missing x
+  // rows are zero accumulators; every sum stays inside its own accumulator's lanes.
+  __m512 a[16];
+  for (int j = 0; j < 4; ++j)
+    for (int m = 0; m < 4; ++m) a[4 * j + m] = m < MR ? acc[m][j] : _mm512_setzero_ps();
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit halves: a[2i] in chunks 0-1, a[2i+1] in chunks 2-3
+    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // chunk c holds 4 partial lanes of a[4i + c]
+    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    s3[i] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0x88),
+                          _mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0xDD));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88),
+                                    _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sums);
+  for (int m = 0; m < MR; ++m) std::memcpy(out + (m0 + m) * n + n0, lanes + 4 * m, 16);
+}
+
+inline void GemmNKRows(const uint16_t* x, int64_t m_dim, int64_t k_dim, const uint16_t* w,
+                       int64_t n, int64_t n0, int64_t n1, float* out) {
+  constexpr int kMR = 4;
+  int64_t m0 = 0;
+  for (; m0 + kMR <= m_dim; m0 += kMR)
+    for (int64_t j = n0; j < n1; j += 4) GemmNKTile<kMR>(x, k_dim, m0, w, n, j, out);
+  const int64_t rest = m_dim - m0;
+  for (int64_t j = n0; j < n1; j += 4) {
+    switch (rest) {
+      case 1: GemmNKTile<1>(x, k_dim, m0, w, n, j, out); break;
+      case 2: GemmNKTile<2>(x, k_dim, m0, w, n, j, out); break;
+      case 3: GemmNKTile<3>(x, k_dim, m0, w, n, j, out); break;
+      default: break;
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
+// x [M, K] bf16, w [K, N] (transpose_w = false) or [N, K] (true) bf16 -> out [M, N] float32.
+// Shapes: K % 32 == 0; N % 32 == 0 ([K, N]) or N % 4 == 0 ([N, K]). The Python side checks them
+// (and LlmserveHasBf16Matmul) before it calls.
+ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                          bool transpose_w, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+#if defined(__AVX512BF16__)
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("want x [M,K], w 2-D");
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("x and w must be bf16");
+  }
+  const int64_t m_dim = xd[0], k_dim = xd[1];
+  const int64_t n = transpose_w ? wd[0] : wd[1];
+  if ((transpose_w ? wd[1] : wd[0]) != k_dim || k_dim % 32 != 0 ||
+      n % (transpose_w ? 4 : 32) != 0) {
+    return ffi::Error::InvalidArgument("matmul shapes: K % 32, N % 32 ([K,N]) or N % 4 ([N,K])");
+  }
+  const uint16_t* xp = static_cast<const uint16_t*>(x.untyped_data());
+  const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());
+  float* op = out->typed_data();
+  if (m_dim == 0 || n == 0) return ffi::Error::Success();
+  constexpr int64_t kBlock = 64;  // columns per work item
+  const int64_t items = (n + kBlock - 1) / kBlock;
+  // Enough work per helper to pay for waking it (~1 MFLOP).
+  const int64_t min_items = std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, m_dim * k_dim * kBlock));
+  ParallelFor(pool, items, min_items, [=](int64_t item) {
+    const int64_t n0 = item * kBlock, n1 = std::min(n, n0 + kBlock);
+    if (transpose_w) {
+      GemmNKRows(xp, m_dim, k_dim, wp, n, n0, n1, op);
+    } else if (n1 - n0 == 64) {
+      GemmKNColumns<2>(xp, m_dim, k_dim, wp, n, n0, op);
+    } else {
+      GemmKNColumns<1>(xp, m_dim, k_dim, wp, n, n0, op);
+    }
+  });
+  return ffi::Error::Success();
+#else
+  (void)pool; (void)x; (void)w; (void)transpose_w; (void)out;
+  return ffi::Error::InvalidArgument("this build has no AVX512_BF16 matmul");
+#endif
+}
+
 // Row log-sum-exp. XLA:CPU compiles exp and the sum over the vocabulary differently in different
 // fusions (vectorized or not, depending on the surrounding program's shapes), so the same logits
 // row gets log-sum-exps one ulp apart in a decode step and in a verify step. Here every row is
@@ -670,3 +849,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmservePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
                                   .Attr<float>("scale")
                                   .Ret<ffi::AnyBuffer>());  // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmserveMatmulBf16, MatmulBf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K] bf16
+                                  .Arg<ffi::AnyBuffer>()  // w [K, N] or [N, K] bf16
+                                  .Attr<bool>("transpose_w")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
+
+// 1 when this build has the bf16 matmul (the CPU it was built for has AVX512_BF16), else 0.
+extern "C" int LlmserveHasBf16Matmul() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}

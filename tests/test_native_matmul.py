@@ -1,0 +1,109 @@
+"""The native bf16 matmul (``ops.cpu_kernels.matmul_bf16_cpu``, AVX512_BF16) against XLA's dot
+with float32 accumulation (``matmul_bf16_reference``), and the model's routing to it.
+
+Tolerance: both accumulate exact bf16 products in float32, in different orders, so results agree
+to float32 rounding: max abs error <= 1e-5 x (sum over k of |x w|) per element.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmserve.config import preset
+from llmserve.kv_cache import AttentionMetadata, DenseKVCache
+from llmserve.model import Transformer, init_params
+from llmserve.ops import cpu_kernels as cpa
+
+needs_matmul = pytest.mark.skipif(not cpa.has_bf16_matmul(),
+                                  reason="no native AVX512_BF16 matmul on this CPU")
+
+# (M, K, N, transpose_w): row counts around the kernel's 6-row (4-row transposed) tiles,
+# 32-column tails, SmolLM2's shapes, and a vocabulary not a multiple of 64.
+SHAPES = [
+    (1, 576, 576, False), (6, 576, 192, False), (7, 576, 1536, False), (32, 1536, 576, False),
+    (13, 64, 96, False), (130, 96, 160, False),
+    (1, 576, 4100, True), (4, 64, 256, True), (9, 576, 1028, True), (33, 128, 68, True),
+]
+
+
+def _inputs(m, k, n, transpose_w, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)) * 0.05, jnp.bfloat16)
+    return x, w
+
+
+def _bound(x, w, transpose_w):
+    wf = np.abs(np.asarray(w, np.float32))
+    return 1e-5 * (np.abs(np.asarray(x, np.float32)) @ (wf.T if transpose_w else wf)) + 1e-6
+
+
+@needs_matmul
+@pytest.mark.parametrize("m,k,n,transpose_w", SHAPES)
+def test_matches_xla_dot(m, k, n, transpose_w):
+    x, w = _inputs(m, k, n, transpose_w)
+    out = jax.jit(cpa.matmul_bf16_cpu, static_argnums=2)(x, w, transpose_w)
+    want = cpa.matmul_bf16_reference(x, w, transpose_w)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    err = np.abs(np.asarray(out) - np.asarray(want))
+    assert np.all(err <= _bound(x, w, transpose_w)), float(err.max())
+
+
+@needs_matmul
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_each_row_is_bitwise_the_same_alone_and_in_a_batch(transpose_w):
+    x, w = _inputs(37, 576, 320, transpose_w, seed=1)
+    f = jax.jit(cpa.matmul_bf16_cpu, static_argnums=2)
+    batch = np.asarray(f(x, w, transpose_w))
+    for i in (0, 5, 6, 23, 36):
+        np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w, transpose_w))[0], batch[i])
+
+
+@needs_matmul
+def test_gradient_is_the_plain_dot_gradient():
+    x, w = _inputs(5, 64, 96, False, seed=2)
+    loss = lambda f: lambda a, b: jnp.sum(f(a, b, False) ** 2)  # noqa: E731
+    gx, gw = jax.grad(loss(cpa.matmul_bf16_cpu), argnums=(0, 1))(x, w)
+    rx, rw = jax.grad(loss(cpa.matmul_bf16_reference), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(rx, np.float32), rtol=2e-2,
+                               atol=1e-3)
+    np.testing.assert_allclose(np.asarray(gw, np.float32), np.asarray(rw, np.float32), rtol=2e-2,
+                               atol=1e-3)
+
+
+def test_bad_shapes_and_dtypes_are_named():
+    x, w = _inputs(3, 64, 96, False)
+    with pytest.raises(ValueError, match=r"\(3, 64\).*\(64, 96\)|K % 32"):
+        cpa.matmul_bf16_cpu(x[:, :48], w[:48], False)
+    with pytest.raises(ValueError, match="bf16"):
+        cpa.matmul_bf16_cpu(x.astype(jnp.float32), w, False)
+
+
+@needs_matmul
+@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mqa"])
+def test_model_logits_on_the_cpu_backend_match_xla_dots(name):
+    """bf16 model on backend "cpu" (native matmuls where the shapes suit: tiny-mqa's 16-wide
+    k/v projections stay on XLA) vs "xla": same logits to bf16-activation rounding."""
+    cfg = preset(name).replace(dtype="bfloat16")
+    params = init_params(cfg)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (3, 11)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(11, dtype=jnp.int32), (3, 11))
+    meta = AttentionMetadata.for_dense(positions, jnp.full((3,), 11, jnp.int32))
+
+    cache = DenseKVCache.create(cfg, batch=3, max_len=11)
+
+    def program(backend):
+        return jax.jit(lambda p, t, m, c: Transformer(cfg).apply({"params": p}, t, m, c,
+                                                                 backend=backend)[0])
+
+    native = np.asarray(program("cpu")(params, tokens, meta, cache))
+    xla = np.asarray(program("xla")(params, tokens, meta, cache))
+    np.testing.assert_allclose(native, xla, atol=3e-2, rtol=3e-2)
+    assert np.array_equal(native.argmax(-1), xla.argmax(-1))
+    text = program("cpu").lower(params, tokens, meta, cache).as_text()
+    assert "llmserve_matmul_bf16_cpu" in text  # the native matmul is really in the program
+    assert "llmserve_matmul_bf16_cpu" not in program("xla").lower(
+        params, tokens, meta, cache).as_text()
