@@ -346,6 +346,24 @@ inline __m512 ExpNonPositive16(__m512 arg) {  // ExpNonPositive, 16 lanes at onc
   return _mm512_mask_blend_ps(under, y, _mm512_setzero_ps());
 }
 
+// Sums each of 16 vectors in one transposing tree (45 shuffles and adds instead of 16
+// horizontal reductions): the sum of a[4 p + q] lands in lane 4 q + p. Every sum stays inside
+// its own vector's lanes, in a fixed order.
+inline __m512 TreeSum16(const __m512* a) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit halves: a[2i] in chunks 0-1, a[2i+1] in chunks 2-3
+    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // chunk c holds 4 partial lanes of a[4i + c]
+    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    s3[i] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0x88),
+                          _mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88),
+                       _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+}
+
 inline __m512 LoadVec(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 LoadVec(const uint16_t* p) {  // 16 bf16 -> float32
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -424,20 +442,21 @@ void RowsAvx512(const Dims& d, int64_t b, int64_t k, int64_t r0, const float* q_
       for (int r = 0; r < NR; ++r) s[r] = _mm512_mul_ps(s[r], sc);
     } else
 #endif
-    {
-      if (nk == L) {
-        TransposePage16(kp + base, H, kt);
-      } else {  // a partial page: zeros past its last key (masked below; never read stale data)
-        for (int64_t i = 0; i < L; ++i) {
-          const PT* kr = kp + base + i * H;
-          for (int64_t e = 0; e < H; ++e) kt[e * L + i] = i < nk ? ToF32(kr[e]) : 0.0f;
+    {  // s[r][i] = q[r] . k[i]: per key H/16 multiply-adds, then one tree over the 16 keys
+      for (int r = 0; r < NR; ++r) {
+        __m512 qv[HV];
+        for (int v = 0; v < HV; ++v) qv[v] = _mm512_loadu_ps(q_scaled + r * H + 16 * v);
+        __m512 a[16];
+        for (int i = 0; i < 16; ++i) {
+          __m512 t = _mm512_setzero_ps();  // keys past the page's end: zero (masked below)
+          if (i < nk) {
+            const PT* kr = kp + base + i * H;
+            t = _mm512_mul_ps(qv[0], LoadVec(kr));
+            for (int v = 1; v < HV; ++v) t = _mm512_fmadd_ps(qv[v], LoadVec(kr + 16 * v), t);
+          }
+          a[4 * (i % 4) + i / 4] = t;  // lands in lane i
         }
-      }
-      for (int64_t e = 0; e < H; ++e) {  // s[r][i] = q[r] . k[i]
-        const __m512 ke = _mm512_loadu_ps(kt + e * L);
-        for (int r = 0; r < NR; ++r) {
-          s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q_scaled[r * H + e]), ke, s[r]);
-        }
+        s[r] = TreeSum16(a);
       }
     }
     int64_t keys = 0;  // keys any of the rows sees in this page
@@ -720,24 +739,12 @@ inline void GemmNKTile(const uint16_t* x, int64_t k_dim, int64_t m0, const uint1
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, (__m512bh)wv[j]);
     }
   }
-  // Sum each of the 16 accumulators in one transposing tree: a[4 j + m] (vocabulary row j, x
-  // row m) ends up in lane 4 m + j, so x row m's four logits are one 128-bit store. Missing x
-  // rows are zero accumulators; every sum stays inside its own accumulator's lanes.
+  // One transposing tree: a[4 j + m] (vocabulary row j, x row m) lands in lane 4 m + j, so x
+  // row m's four logits are one 16-byte store. Missing x rows are zero accumulators.
   __m512 a[16];
   for (int j = 0; j < 4; ++j)
     for (int m = 0; m < 4; ++m) a[4 * j + m] = m < MR ? acc[m][j] : _mm512_setzero_ps();
-  __m512 s1[8], s2[4], s3[2];
-  for (int i = 0; i < 8; ++i)  // 128-bit halves: a[2i] in chunks 0-1, a[2i+1] in chunks 2-3
-    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // chunk c holds 4 partial lanes of a[4i + c]
-    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0x88),
-                          _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    s3[i] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0x88),
-                          _mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0xDD));
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88),
-                                    _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+  const __m512 sums = TreeSum16(a);
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, sums);
   for (int m = 0; m < MR; ++m) std::memcpy(out + (m0 + m) * n + n0, lanes + 4 * m, 16);
