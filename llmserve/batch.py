@@ -47,6 +47,7 @@ class ScheduledRow:
     # In a verify step ``tokens`` is [last committed token, its drafts] (the draft tokens may be
     # placeholders that a draft model's device output replaces inside the step).
     carry_feature: bool = False  # EAGLE: the slot holds this row's h_{start-1} (continuing)
+    top_logprobs: bool = False  # the request asked for its top-n logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,7 @@ class StepInput(_Pytree):
     suppress_until: Array  # [R] int32: the ban holds for this many sampled positions
     sampling: sampling.SamplingArrays  # [R] per-row parameters
     num_draft: Array  # [R] int32: drafts a verify row carries (0 elsewhere)
+    want_top: Array  # [R] bool: the row's request asked for top-n logprobs (else top-k skipped)
     per_token: Optional[PartMetadata] = None  # batch-invariant mode: one query per token
     head: Optional[HeadInput] = None  # an EAGLE head runs inside the step
     verify: bool = dataclasses.field(default=False, metadata=STATIC)  # parts[0] verifies
@@ -226,6 +228,7 @@ class BatchBuilder:
         suppress_ids = np.full((r, MAX_SUPPRESS_IDS), v, np.int32)
         suppress_until = np.zeros(r, np.int32)
         num_draft = np.zeros(r, np.int32)
+        want_top = np.zeros(r, bool)
         head = self.head
         if head:  # where the EAGLE head's input features come from
             prev = np.full(n, -1, np.int32)
@@ -257,6 +260,7 @@ class BatchBuilder:
                 slot_ids[j], emit[j] = spec.slot, spec.emit
                 suppress_ids[j, : len(spec.suppress_ids)] = spec.suppress_ids
                 suppress_until[j] = spec.suppress_until
+                want_top[j] = spec.top_logprobs
                 rows_sampling[j] = spec.sampling
                 if head:
                     prev[base + 1:base + k] = np.arange(base, base + k - 1)
@@ -277,7 +281,8 @@ class BatchBuilder:
                          sample_index=sample_index, sample_pos=sample_pos, slot_ids=slot_ids,
                          emit=emit, suppress_ids=suppress_ids, suppress_until=suppress_until,
                          sampling=sampling.SamplingArrays.from_lists(rows_sampling, xp=np),
-                         num_draft=num_draft, head=head_input, verify=verify)
+                         num_draft=num_draft, want_top=want_top, head=head_input,
+                         verify=verify)
 
     def _per_token(self, metas, positions: np.ndarray, write_page: np.ndarray) -> PartMetadata:
         """Batch-invariant attention metadata: each real token is a one-token query of its

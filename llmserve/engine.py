@@ -473,7 +473,8 @@ class Engine:
             slot=seq.slot, emit=emit, sampling=dict(
                 temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                repetition_penalty=p.repetition_penalty, seed=seq.seed))
+                repetition_penalty=p.repetition_penalty, seed=seq.seed),
+            top_logprobs=bool(p.logprobs))
         if len(seq.output_ids) < p.min_tokens:
             row.suppress_ids = sorted(self.outputs.stop_ids(seq))
             row.suppress_until = p.min_tokens - len(seq.output_ids)
