@@ -8,11 +8,14 @@ per layer q/k/v/o (576->576/192/192, 576->576) and gate/up/down (576->1536 x2, 1
 layers, then the tied LM head (576->49152); each through ``llmserve.model.matmul_f32`` (inputs
 in the storage dtype, float32 accumulation), exactly as the model runs them. The weights are
 distinct per layer, so each call streams all of them (270 MB bf16, 540 MB fp32) as a real step
-does. Prints the table (ms per call, bf16/fp32 ratio); writes results/matmul/matmul_<platform>.json.
+does. Also times bf16 through the native AVX512_BF16 matmul (``matmul_f32(..., native=True)``,
+what the "cpu" backend runs) when this CPU has it. Prints the table (ms per call, bf16/fp32 and
+XLA/native ratios); writes results/matmul/matmul_<platform>.json.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -24,6 +27,7 @@ from absl import app, flags
 from experiments.common import markdown_table, write_json
 from llmserve.config import auto_dtype, cpu_has_bf16_matmul, preset
 from llmserve.model import matmul_f32
+from llmserve.ops import cpu_kernels
 
 _ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8", "16", "32", "64", "128", "256", "512"],
                           "token rows per call")
@@ -51,25 +55,25 @@ def make_weights(dtype, seed: int = 0) -> dict:
     return {"layers": layers, "head": head}
 
 
-@jax.jit
-def weight_pass(weights: dict, x: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnames="native")
+def weight_pass(weights: dict, x: jax.Array, native: bool = False) -> jax.Array:
     """x [R, D] f32 through every weight matmul of one step -> logits [R, V] f32."""
+    mm = functools.partial(matmul_f32, native=native)
     for w in weights["layers"]:
-        q, k, v = matmul_f32(x, w["q"]), matmul_f32(x, w["k"]), matmul_f32(x, w["v"])
-        x = x + matmul_f32(q, w["o"]) + 1e-3 * (k.sum(-1, keepdims=True) + v.sum(-1, keepdims=True))
-        x = x + matmul_f32(jax.nn.silu(matmul_f32(x, w["gate"])) * matmul_f32(x, w["up"]),
-                           w["down"])
-    return matmul_f32(x, weights["head"], transpose_w=True)  # tied: logits = x @ embedding.T
+        q, k, v = mm(x, w["q"]), mm(x, w["k"]), mm(x, w["v"])
+        x = x + mm(q, w["o"]) + 1e-3 * (k.sum(-1, keepdims=True) + v.sum(-1, keepdims=True))
+        x = x + mm(jax.nn.silu(mm(x, w["gate"])) * mm(x, w["up"]), w["down"])
+    return mm(x, weights["head"], transpose_w=True)  # tied: logits = x @ embedding.T
 
 
-def time_ms(weights: dict, rows: int, iters: int) -> float:
+def time_ms(weights: dict, rows: int, iters: int, native: bool = False) -> float:
     """Median wall time of one weight pass at ``rows`` rows, in milliseconds."""
     x = jax.random.normal(jax.random.key(1), (rows, 576), jnp.float32)
-    jax.block_until_ready(weight_pass(weights, x))
+    jax.block_until_ready(weight_pass(weights, x, native))
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        jax.block_until_ready(weight_pass(weights, x))
+        jax.block_until_ready(weight_pass(weights, x, native))
         times.append(time.perf_counter() - t0)
     return 1e3 * float(np.median(times))
 
@@ -78,16 +82,23 @@ def main(argv):
     del argv
     rows = [int(r) for r in _ROWS.value]
     results = {}
+    native = cpu_kernels.has_bf16_matmul()
     for name, dtype in (("bfloat16", jnp.bfloat16), ("float32", jnp.float32)):
         weights = make_weights(dtype)
         results[name] = {r: time_ms(weights, r, _ITERS.value) for r in rows}
+        if native and dtype == jnp.bfloat16:  # same weights, XLA's dot vs the native kernel
+            results["bfloat16_native"] = {r: time_ms(weights, r, _ITERS.value, True)
+                                          for r in rows}
         del weights
-    table = [(r, f"{results['bfloat16'][r]:.1f}", f"{results['float32'][r]:.1f}",
-              f"{results['bfloat16'][r] / results['float32'][r]:.2f}") for r in rows]
+    nat = results.get("bfloat16_native", {})
+    bf, fp = results["bfloat16"], results["float32"]
+    table = [(r, f"{bf[r]:.1f}", f"{nat[r]:.1f}" if nat else "-", f"{fp[r]:.1f}",
+              f"{bf[r] / fp[r]:.2f}", f"{bf[r] / nat[r]:.2f}" if nat else "-") for r in rows]
     print(f"\nSmolLM2-135M weight matmuls per step ({jax.default_backend()}, "
           f"{os.cpu_count()} cores, cpu bf16 flags: {cpu_has_bf16_matmul()}, "
           f"auto dtype: {auto_dtype()})")
-    print(markdown_table(["rows", "bf16 (ms)", "fp32 (ms)", "bf16/fp32"], table))
+    print(markdown_table(["rows", "bf16 XLA (ms)", "bf16 native (ms)", "fp32 (ms)",
+                          "bf16 XLA/fp32", "bf16 XLA/native"], table))
     path = write_json(os.path.join(_OUT.value, f"matmul_{jax.default_backend()}.json"), {
         "rows": rows, "ms": results, "iters": _ITERS.value,
         "cpu_bf16_matmul": cpu_has_bf16_matmul(), "auto_dtype": auto_dtype()})
