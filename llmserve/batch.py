@@ -321,14 +321,18 @@ def part_arrays(batch: StepInput, index: int) -> tuple[np.ndarray, ...]:
     return tokens, part.q_start, part.lengths - part.q_start, part.block_tables
 
 
-def default_decode_buckets(max_slots: int, dtype: str) -> list[int]:
+def default_decode_buckets(max_slots: int, dtype: str,
+                           native_bf16_matmul: bool = False) -> list[int]:
     """Decode batch buckets chosen by measurement (experiments/matmul.py, SmolLM2 on this CPU).
 
-    bf16 weight matmuls cost about the same from 1 to 8 rows (25.8 / 23.4 / 25.4 / 27.1 ms), so
-    the smallest bf16 bucket is 8. fp32 at 1 row is a matrix-vector product (21 ms) and cheaper
-    than 2-8 rows (29-44 ms), so fp32 also keeps a 1-row bucket for the last running request.
-    Then powers of two from 8 up to ``max_slots``.
+    XLA's bf16 weight matmuls cost about the same from 1 to 8 rows (25.8 / 23.4 / 25.4 / 27.1
+    ms), so the smallest bf16 bucket is 8. fp32 at 1 row is a matrix-vector product (21 ms) and
+    cheaper than 2-8 rows (29-44 ms), so fp32 also keeps a 1-row bucket for the last running
+    request. The native bf16 matmul (``native_bf16_matmul``: the cpu backend on an AVX512_BF16
+    CPU) is memory-bound up to 8 rows (9.1 ms at 2, 9.9 at 8) and has no slow one-row path, so
+    bf16 then keeps the 1-row bucket too (attention and sampling scale with the rows). Then
+    powers of two from 8 up to ``max_slots``.
     """
-    smallest = 8 if "bfloat16" in str(dtype) else 1
+    smallest = 8 if "bfloat16" in str(dtype) and not native_bf16_matmul else 1
     return sorted({min(max_slots, smallest)} | {min(max_slots, 1 << i) for i in range(3, 12)}
                   | {max_slots})

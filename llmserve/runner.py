@@ -39,6 +39,7 @@ from llmserve.batch import (  # noqa: F401  (re-exported: the runner's host-batc
 from llmserve.config import ModelConfig
 from llmserve.kv_cache import DUMMY_PAGE, PagedKVCache
 from llmserve.model import Transformer
+from llmserve.ops import cpu_kernels
 from llmserve.programs import owned_jit, programs_for
 from llmserve.speculative.verify import verify
 
@@ -366,7 +367,9 @@ class Runner:
         self.batch_invariant = batch_invariant
         self.min_rows = invariant_min_rows(cfg.dtype) if batch_invariant else 1
         if decode_buckets is None:
-            decode_buckets = default_decode_buckets(max_slots, cfg.dtype)
+            decode_buckets = default_decode_buckets(
+                max_slots, cfg.dtype,
+                native_bf16_matmul=backend == "cpu" and cpu_kernels.has_bf16_matmul())
         self.batches = BatchBuilder(
             vocab_size=cfg.vocab_size, page_size=page_size, pages_per_seq=self.pages_per_seq,
             max_slots=max_slots, decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,

@@ -79,3 +79,14 @@ def test_tokens_land_where_their_block_tables_say():
     assert list(batch.sample_index[:2]) == [0, 1] and batch.sample_index[d] == d + 2
     assert list(batch.slot_ids[:2]) == [0, 1] and batch.slot_ids[d] == 2
     assert batch.sample_pos[d] == 7  # the token after the chunk's last, at position 6
+
+
+def test_default_decode_buckets_follow_the_measured_matmul_costs():
+    """bf16 on XLA's dot starts at 8 rows (1-8 rows cost the same there); fp32, and bf16 on the
+    native matmul (no slow one-row path), keep a 1-row bucket for the last running request."""
+    from llmserve.batch import default_decode_buckets
+
+    assert default_decode_buckets(32, "bfloat16") == [8, 16, 32]
+    assert default_decode_buckets(32, "bfloat16", native_bf16_matmul=True) == [1, 8, 16, 32]
+    assert default_decode_buckets(32, "float32") == [1, 8, 16, 32]
+    assert default_decode_buckets(4, "bfloat16") == [4]
