@@ -8,9 +8,10 @@ per layer q/k/v/o (576->576/192/192, 576->576) and gate/up/down (576->1536 x2, 1
 layers, then the tied LM head (576->49152); each through ``llmserve.model.matmul_f32`` (inputs
 in the storage dtype, float32 accumulation), exactly as the model runs them. The weights are
 distinct per layer, so each call streams all of them (270 MB bf16, 540 MB fp32) as a real step
-does. Also times bf16 through the native AVX512_BF16 matmul (``matmul_f32(..., native=True)``,
-what the "cpu" backend runs) when this CPU has it. Prints the table (ms per call, bf16/fp32 and
-XLA/native ratios); writes results/matmul/matmul_<platform>.json.
+does. Also times both dtypes through the native matmuls (``matmul_f32(..., native=True)``:
+what the "cpu" backend runs; AVX512_BF16 for bf16, AVX-512F for fp32) when this CPU has them.
+Prints the table (ms per call, bf16/fp32 and XLA/native ratios); writes
+results/matmul/matmul_<platform>.json.
 """
 
 from __future__ import annotations
@@ -82,23 +83,26 @@ def main(argv):
     del argv
     rows = [int(r) for r in _ROWS.value]
     results = {}
-    native = cpu_kernels.has_bf16_matmul()
+    native = {"bfloat16": cpu_kernels.has_bf16_matmul(), "float32": cpu_kernels.has_f32_matmul()}
     for name, dtype in (("bfloat16", jnp.bfloat16), ("float32", jnp.float32)):
         weights = make_weights(dtype)
         results[name] = {r: time_ms(weights, r, _ITERS.value) for r in rows}
-        if native and dtype == jnp.bfloat16:  # same weights, XLA's dot vs the native kernel
-            results["bfloat16_native"] = {r: time_ms(weights, r, _ITERS.value, True)
-                                          for r in rows}
+        if native[name]:  # same weights, XLA's dot vs the native kernel
+            results[f"{name}_native"] = {r: time_ms(weights, r, _ITERS.value, True)
+                                         for r in rows}
         del weights
-    nat = results.get("bfloat16_native", {})
     bf, fp = results["bfloat16"], results["float32"]
-    table = [(r, f"{bf[r]:.1f}", f"{nat[r]:.1f}" if nat else "-", f"{fp[r]:.1f}",
-              f"{bf[r] / fp[r]:.2f}", f"{bf[r] / nat[r]:.2f}" if nat else "-") for r in rows]
+    nb, nf = results.get("bfloat16_native", {}), results.get("float32_native", {})
+    cell = lambda d, r: f"{d[r]:.1f}" if d else "-"  # noqa: E731
+    table = [(r, f"{bf[r]:.1f}", cell(nb, r), f"{fp[r]:.1f}", cell(nf, r), f"{bf[r] / fp[r]:.2f}",
+              f"{bf[r] / nb[r]:.2f}" if nb else "-", f"{fp[r] / nf[r]:.2f}" if nf else "-")
+             for r in rows]
     print(f"\nSmolLM2-135M weight matmuls per step ({jax.default_backend()}, "
           f"{os.cpu_count()} cores, cpu bf16 flags: {cpu_has_bf16_matmul()}, "
           f"auto dtype: {auto_dtype()})")
-    print(markdown_table(["rows", "bf16 XLA (ms)", "bf16 native (ms)", "fp32 (ms)",
-                          "bf16 XLA/fp32", "bf16 XLA/native"], table))
+    print(markdown_table(["rows", "bf16 XLA (ms)", "bf16 native (ms)", "fp32 XLA (ms)",
+                          "fp32 native (ms)", "bf16/fp32 (XLA)", "bf16 XLA/native",
+                          "fp32 XLA/native"], table))
     path = write_json(os.path.join(_OUT.value, f"matmul_{jax.default_backend()}.json"), {
         "rows": rows, "ms": results, "iters": _ITERS.value,
         "cpu_bf16_matmul": cpu_has_bf16_matmul(), "auto_dtype": auto_dtype()})

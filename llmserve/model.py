@@ -90,16 +90,20 @@ def matmul_f32(x: Array, w: Array, transpose_w: bool = False, native: bool = Fal
     x is cast to w's dtype; accumulation is float32 (``preferred_element_type``). A bf16 call with
     fewer than MIN_BF16_ROWS rows is padded (a static-shape decision, made at trace time).
     ``native`` (the "cpu" backend): a bf16 weight goes to the native AVX512_BF16 matmul
-    (``ops.cpu_kernels.matmul_bf16_cpu``, 1.5-2x XLA's at 8-32 rows) when this CPU has it and
-    the shape suits it; every other case stays on XLA's dot.
+    (``ops.cpu_kernels.matmul_bf16_cpu``, 1.3-1.6x XLA's at 1-64 rows), a float32 weight to the
+    native AVX-512 one (``matmul_f32_cpu``), when this CPU has them and the shape suits them;
+    every other case stays on XLA's dot.
     """
     lead, d = x.shape[:-1], x.shape[-1]
     rows = int(np.prod(lead, dtype=np.int64))
     x2 = x.reshape(rows, d).astype(w.dtype)
     f = w.shape[0] if transpose_w else w.shape[1]
-    if (native and w.dtype == jnp.bfloat16 and cpu_kernels.matmul_bf16_supported(d, f, transpose_w)
-            and cpu_kernels.has_bf16_matmul()):
+    if native and w.dtype == jnp.bfloat16 and cpu_kernels.matmul_bf16_supported(
+            d, f, transpose_w) and cpu_kernels.has_bf16_matmul():
         return cpu_kernels.matmul_bf16_cpu(x2, w, transpose_w).reshape(*lead, f)
+    if native and w.dtype == jnp.float32 and cpu_kernels.matmul_f32_supported(
+            d, f, transpose_w) and cpu_kernels.has_f32_matmul():
+        return cpu_kernels.matmul_f32_cpu(x2, w, transpose_w).reshape(*lead, f)
     if w.dtype == jnp.bfloat16 and rows < MIN_BF16_ROWS:
         x2 = jnp.pad(x2, ((0, MIN_BF16_ROWS - rows), (0, 0)))
     y = lax.dot_general(x2, w, (((1,), (1 if transpose_w else 0,)), ((), ())),
@@ -117,7 +121,7 @@ class Dense(nn.Module):
     features: int
     use_bias: bool = False
     dtype: Any = jnp.float32
-    native: bool = False  # matmul_f32's native bf16 matmul (the "cpu" backend)
+    native: bool = False  # matmul_f32's native matmuls (the "cpu" backend, unsharded)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -151,8 +155,8 @@ class Embed(nn.Module):
 
 
 def _dense(features: int, name: str, cfg: ModelConfig, bias: bool = False,
-           backend: str = "xla") -> Dense:
-    return Dense(features, use_bias=bias, dtype=cfg.jnp_dtype, native=backend == "cpu", name=name)
+           native: bool = False) -> Dense:
+    return Dense(features, use_bias=bias, dtype=cfg.jnp_dtype, native=native, name=name)
 
 
 class Attention(nn.Module):
@@ -162,19 +166,21 @@ class Attention(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x: Array, meta: AttentionMetadata, cache: Any, backend: str):
+    def __call__(self, x: Array, meta: AttentionMetadata, cache: Any, backend: str,
+                 native_matmul: bool = True):
         cfg = self.cfg
         b, t, _ = x.shape
         n, k, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q = _dense(n * h, "q_proj", cfg, cfg.qkv_bias, backend)(x).reshape(b, t, n, h)
-        kk = _dense(k * h, "k_proj", cfg, cfg.qkv_bias, backend)(x).reshape(b, t, k, h)
-        vv = _dense(k * h, "v_proj", cfg, cfg.qkv_bias, backend)(x).reshape(b, t, k, h)
+        native = backend == "cpu" and native_matmul
+        q = _dense(n * h, "q_proj", cfg, cfg.qkv_bias, native)(x).reshape(b, t, n, h)
+        kk = _dense(k * h, "k_proj", cfg, cfg.qkv_bias, native)(x).reshape(b, t, k, h)
+        vv = _dense(k * h, "v_proj", cfg, cfg.qkv_bias, native)(x).reshape(b, t, k, h)
         inv_freq = rope_frequencies(cfg)
         # RoPE in f32; attention then reads q and the cache in the storage dtype (f32 dots).
         q = apply_rope(q, meta.positions, inv_freq).astype(cfg.jnp_dtype)
         kk = apply_rope(kk, meta.positions, inv_freq)
         out, cache = cache.update_and_attend(self.layer, q, kk, vv, meta, backend)  # [B,T,N,H]
-        out = _dense(cfg.d_model, "o_proj", cfg, backend=backend)(out.reshape(b, t, n * h))
+        out = _dense(cfg.d_model, "o_proj", cfg, native=native)(out.reshape(b, t, n * h))
         return out, cache
 
 
@@ -184,11 +190,11 @@ class MLP(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array, backend: str = "xla") -> Array:
+    def __call__(self, x: Array, native: bool = False) -> Array:
         cfg = self.cfg
-        gate = _dense(cfg.ffn_dim, "gate_proj", cfg, backend=backend)(x)
-        up = _dense(cfg.ffn_dim, "up_proj", cfg, backend=backend)(x)
-        return _dense(cfg.d_model, "down_proj", cfg, backend=backend)(nn.silu(gate) * up)
+        gate = _dense(cfg.ffn_dim, "gate_proj", cfg, native=native)(x)
+        up = _dense(cfg.ffn_dim, "up_proj", cfg, native=native)(x)
+        return _dense(cfg.d_model, "down_proj", cfg, native=native)(nn.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -198,13 +204,14 @@ class Block(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x: Array, meta: AttentionMetadata, cache: Any, backend: str):
+    def __call__(self, x: Array, meta: AttentionMetadata, cache: Any, backend: str,
+                 native_matmul: bool = True):
         cfg = self.cfg
         h = RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="attn_norm")(x)
-        a, cache = Attention(cfg, self.layer, name="attn")(h, meta, cache, backend)
+        a, cache = Attention(cfg, self.layer, name="attn")(h, meta, cache, backend, native_matmul)
         x = x + a
         x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="mlp_norm")(x),
-                                     backend)
+                                     backend == "cpu" and native_matmul)
         return x, cache
 
 
@@ -218,6 +225,10 @@ class Transformer(nn.Module):
     ``return_hidden``: also return the last layer's output before the final norm at the same
     positions ([B, R, D] float32), or at every position with ``"all"`` ([B, T, D]): the
     feature an EAGLE draft head reads.
+
+    ``native_matmul``: on the "cpu" backend, weight matmuls go to the native kernels where they
+    apply (``matmul_f32``); False keeps XLA's dots (a sharded model: a custom call would gather
+    its sharded weights).
     """
 
     cfg: ModelConfig
@@ -225,12 +236,12 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens: Array, meta: AttentionMetadata, cache: Any,
                  backend: str = "xla", logits_index: Array | None = None,
-                 return_hidden: bool | str = False):
+                 return_hidden: bool | str = False, native_matmul: bool = True):
         cfg = self.cfg
         embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype, name="embed")
         x = embed(tokens)  # [B, T, D] float32: the residual stream stays f32
         for i in range(cfg.n_layers):
-            x, cache = Block(cfg, i, name=f"layers_{i}")(x, meta, cache, backend)
+            x, cache = Block(cfg, i, name=f"layers_{i}")(x, meta, cache, backend, native_matmul)
         every = x
         if logits_index is not None:
             index = logits_index if logits_index.ndim == 2 else logits_index[:, None]
@@ -238,9 +249,10 @@ class Transformer(nn.Module):
         hidden = x
         x = RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
-            logits = embed.attend(x, native=backend == "cpu")
+            logits = embed.attend(x, native=backend == "cpu" and native_matmul)
         else:
-            logits = _dense(cfg.vocab_size, "lm_head", cfg, backend=backend)(x)
+            logits = _dense(cfg.vocab_size, "lm_head", cfg,
+                            native=backend == "cpu" and native_matmul)(x)
         if return_hidden:
             hidden = every if return_hidden == "all" else hidden
             return logits.astype(jnp.float32), cache, hidden.astype(jnp.float32)

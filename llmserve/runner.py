@@ -96,7 +96,8 @@ def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, ba
     index = jnp.pad(index, (0, max(0, min_rows - r)))
     out = Transformer(cfg).apply({"params": params}, inp.tokens[None], inp.metadata(), cache,
                                  backend=backend, logits_index=index[None],
-                                 return_hidden="all" if return_hidden else False)
+                                 return_hidden="all" if return_hidden else False,
+                                 native_matmul=cache.shardings is None)
     logits, cache = out[:2]
     if cache.shardings is not None:  # vocab-split logits: gathered once, sampled locally
         logits = cache.shardings.gather_logits(logits, cfg.vocab_size)
@@ -369,7 +370,8 @@ class Runner:
         if decode_buckets is None:
             decode_buckets = default_decode_buckets(
                 max_slots, cfg.dtype,
-                native_bf16_matmul=backend == "cpu" and cpu_kernels.has_bf16_matmul())
+                native_bf16_matmul=(backend == "cpu" and shardings is None
+                                    and cpu_kernels.has_bf16_matmul()))
         self.batches = BatchBuilder(
             vocab_size=cfg.vocab_size, page_size=page_size, pages_per_seq=self.pages_per_seq,
             max_slots=max_slots, decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,

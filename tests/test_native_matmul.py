@@ -1,8 +1,9 @@
-"""The native bf16 matmul (``ops.cpu_kernels.matmul_bf16_cpu``, AVX512_BF16) against XLA's dot
-with float32 accumulation (``matmul_bf16_reference``), and the model's routing to it.
+"""The native matmuls (``ops.cpu_kernels.matmul_bf16_cpu``, AVX512_BF16, and
+``matmul_f32_cpu``, AVX-512F) against XLA's dot with float32 accumulation
+(``matmul_bf16_reference``), and the model's routing to them.
 
-Tolerance: both accumulate exact bf16 products in float32, in different orders, so results agree
-to float32 rounding: max abs error <= 1e-5 x (sum over k of |x w|) per element.
+Tolerance: both sides accumulate in float32 in different orders (bf16 products are exact), so
+results agree to float32 rounding: max abs error <= 1e-5 x (sum over k of |x w|) per element.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from llmserve.ops import cpu_kernels as cpa
 
 needs_matmul = pytest.mark.skipif(not cpa.has_bf16_matmul(),
                                   reason="no native AVX512_BF16 matmul on this CPU")
+needs_f32 = pytest.mark.skipif(not cpa.has_f32_matmul(), reason="no AVX-512 float32 matmul")
+# float32 shapes: K % 16, N % 16 ([K, N]; 16/32/48-column tails) or N % 4 ([N, K]).
+F32_SHAPES = [(1, 576, 576, False), (7, 48, 80, False), (13, 1536, 576, False),
+              (32, 64, 112, False), (5, 576, 1028, True), (9, 16, 8, True)]
 
 # (M, K, N, transpose_w): row counts around the kernel's 6-row (4-row transposed) tiles,
 # 32-column tails, SmolLM2's shapes, and a vocabulary not a multiple of 64.
@@ -29,10 +34,10 @@ SHAPES = [
 ]
 
 
-def _inputs(m, k, n, transpose_w, seed=0):
+def _inputs(m, k, n, transpose_w, seed=0, dtype=jnp.bfloat16):
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)) * 0.05, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)) * 0.05, dtype)
     return x, w
 
 
@@ -52,11 +57,25 @@ def test_matches_xla_dot(m, k, n, transpose_w):
     assert np.all(err <= _bound(x, w, transpose_w)), float(err.max())
 
 
+@needs_f32
+@pytest.mark.parametrize("m,k,n,transpose_w", F32_SHAPES)
+def test_f32_matches_xla_dot(m, k, n, transpose_w):
+    x, w = _inputs(m, k, n, transpose_w, dtype=jnp.float32)
+    out = jax.jit(cpa.matmul_f32_cpu, static_argnums=2)(x, w, transpose_w)
+    want = cpa.matmul_bf16_reference(x, w, transpose_w)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    err = np.abs(np.asarray(out) - np.asarray(want))
+    assert np.all(err <= _bound(x, w, transpose_w)), float(err.max())
+
+
 @needs_matmul
+@needs_f32
 @pytest.mark.parametrize("transpose_w", [False, True])
-def test_each_row_is_bitwise_the_same_alone_and_in_a_batch(transpose_w):
-    x, w = _inputs(37, 576, 320, transpose_w, seed=1)
-    f = jax.jit(cpa.matmul_bf16_cpu, static_argnums=2)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_each_row_is_bitwise_the_same_alone_and_in_a_batch(transpose_w, dtype):
+    x, w = _inputs(37, 576, 320, transpose_w, seed=1, dtype=dtype)
+    f = jax.jit(cpa.matmul_bf16_cpu if dtype == jnp.bfloat16 else cpa.matmul_f32_cpu,
+                static_argnums=2)
     batch = np.asarray(f(x, w, transpose_w))
     for i in (0, 5, 6, 23, 36):
         np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w, transpose_w))[0], batch[i])
@@ -83,11 +102,14 @@ def test_bad_shapes_and_dtypes_are_named():
 
 
 @needs_matmul
-@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mqa"])
-def test_model_logits_on_the_cpu_backend_match_xla_dots(name):
-    """bf16 model on backend "cpu" (native matmuls where the shapes suit: tiny-mqa's 16-wide
-    k/v projections stay on XLA) vs "xla": same logits to bf16-activation rounding."""
-    cfg = preset(name).replace(dtype="bfloat16")
+@needs_f32
+@pytest.mark.parametrize("name,dtype", [("tiny-gqa", "bfloat16"), ("tiny-mqa", "bfloat16"),
+                                        ("tiny-gqa", "float32")])
+def test_model_logits_on_the_cpu_backend_match_xla_dots(name, dtype):
+    """A model on backend "cpu" (native matmuls where the shapes suit: tiny-mqa's 16-wide k/v
+    projections stay on XLA in bf16) vs "xla": same logits to bf16-activation rounding (fp32:
+    to 1e-4), same argmax."""
+    cfg = preset(name).replace(dtype=dtype)
     params = init_params(cfg)
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (3, 11)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(11, dtype=jnp.int32), (3, 11))
@@ -101,9 +123,10 @@ def test_model_logits_on_the_cpu_backend_match_xla_dots(name):
 
     native = np.asarray(program("cpu")(params, tokens, meta, cache))
     xla = np.asarray(program("xla")(params, tokens, meta, cache))
-    np.testing.assert_allclose(native, xla, atol=3e-2, rtol=3e-2)
+    tol = 3e-2 if dtype == "bfloat16" else 1e-4
+    np.testing.assert_allclose(native, xla, atol=tol, rtol=tol)
     assert np.array_equal(native.argmax(-1), xla.argmax(-1))
+    target = "llmserve_matmul_bf16_cpu" if dtype == "bfloat16" else "llmserve_matmul_f32_cpu"
     text = program("cpu").lower(params, tokens, meta, cache).as_text()
-    assert "llmserve_matmul_bf16_cpu" in text  # the native matmul is really in the program
-    assert "llmserve_matmul_bf16_cpu" not in program("xla").lower(
-        params, tokens, meta, cache).as_text()
+    assert target in text  # the native matmul is really in the program
+    assert target not in program("xla").lower(params, tokens, meta, cache).as_text()

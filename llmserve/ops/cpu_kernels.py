@@ -51,7 +51,8 @@ logger = logging.getLogger("llmserve")
 
 TARGETS = {"llmserve_paged_attention_cpu": "LlmservePagedAttention",
            "llmserve_row_logsumexp_cpu": "LlmserveRowLogsumexp",
-           "llmserve_matmul_bf16_cpu": "LlmserveMatmulBf16"}  # XLA name -> C symbol
+           "llmserve_matmul_bf16_cpu": "LlmserveMatmulBf16",
+           "llmserve_matmul_f32_cpu": "LlmserveMatmulF32"}  # XLA name -> C symbol
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cc"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared",
          "-fPIC", "-w")
@@ -143,12 +144,14 @@ def _load() -> Optional[str]:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
         _HAS_BF16_MATMUL.append(bool(lib.LlmserveHasBf16Matmul()))
+        _HAS_F32_MATMUL.append(bool(lib.LlmserveHasF32Matmul()))
     except (NativeBuildError, OSError, AttributeError) as e:
         return str(e)
     return None
 
 
 _HAS_BF16_MATMUL: list = []  # filled by _load: whether the build has the AVX512_BF16 matmul
+_HAS_F32_MATMUL: list = []  # ... and the AVX-512F float32 matmul
 
 
 def has_bf16_matmul() -> bool:
@@ -191,6 +194,49 @@ def matmul_bf16_reference(x: Array, w: Array, transpose_w: bool = False) -> Arra
     """The oracle: XLA's dot with float32 accumulation."""
     return jax.lax.dot_general(x, w, (((1,), (1 if transpose_w else 0,)), ((), ())),
                                preferred_element_type=jnp.float32)
+
+
+def has_f32_matmul() -> bool:
+    """True when the native float32 matmul is usable here (the kernel built, AVX-512F)."""
+    if os.environ.get("LLMSERVE_NATIVE_MATMUL", "1") == "0":
+        return False
+    return _load() is None and bool(_HAS_F32_MATMUL and _HAS_F32_MATMUL[0])
+
+
+def matmul_f32_supported(k: int, n: int, transpose_w: bool) -> bool:
+    """Whether the native float32 matmul takes x [M, k] against n output columns."""
+    return k % 16 == 0 and n % (4 if transpose_w else 16) == 0 and k > 0 and n > 0
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def matmul_f32_cpu(x: Array, w: Array, transpose_w: bool = False) -> Array:
+    """x [M, K] f32 @ w [K, N] (or w [N, K].T) f32 -> [M, N] f32: FMA in k order, every row
+    independent of the others. CPU with AVX-512F only (``has_f32_matmul``); the derivative is
+    the plain jnp one."""
+    if x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"want float32 x [M, K] and w 2-D, got x {x.dtype}{x.shape}, "
+                         f"w {w.dtype}{w.shape}")
+    k, n = (w.shape[1], w.shape[0]) if transpose_w else w.shape
+    if x.shape[1] != k or not matmul_f32_supported(k, n, transpose_w):
+        raise ValueError(f"matmul shapes x {x.shape}, w {w.shape} (transpose_w={transpose_w}): "
+                         f"need matching K with K % 16 == 0 and N % "
+                         f"{4 if transpose_w else 16} == 0")
+    _require()
+    if not has_f32_matmul():
+        raise NativeBuildError("this CPU (or build) has no AVX-512 float32 matmul")
+    call = jax.ffi.ffi_call("llmserve_matmul_f32_cpu",
+                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, w, transpose_w=bool(transpose_w))
+
+
+@matmul_f32_cpu.defjvp
+def _matmul_f32_cpu_jvp(transpose_w, primals, tangents):
+    x, w = primals
+    dx, dw = tangents
+    y = matmul_f32_cpu(x, w, transpose_w)
+    return y, (matmul_bf16_reference(dx, w, transpose_w)
+               + matmul_bf16_reference(x, dw, transpose_w))
 
 
 @matmul_bf16_cpu.defjvp
@@ -264,6 +310,6 @@ def row_logsumexp_reference(x: Array) -> Array:
 
 __all__ = ["paged_attention_cpu", "row_logsumexp_cpu", "row_logsumexp_reference", "available",
            "matmul_bf16_cpu", "matmul_bf16_reference", "has_bf16_matmul",
-           "matmul_bf16_supported",
+           "matmul_bf16_supported", "matmul_f32_cpu", "has_f32_matmul", "matmul_f32_supported",
            "unavailable_reason", "build", "cache_dir", "NativeBuildError", "reference",
            "MAX_PAGE_SIZE"]

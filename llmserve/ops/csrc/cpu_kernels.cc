@@ -811,6 +811,135 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 #endif
 }
 
+
+// ---- float32 matmul (AVX-512): x [M, K] f32 @ w -> out [M, N] f32, the same tiling as bf16 ----
+// w [K, N]: 6 rows x 64 columns of accumulators, one broadcast x element times four 16-column
+// weight vectors per k (no pairing needed); w [N, K]: 4 x 4 tiles, 16 dims per step, summed by
+// TreeSum16. Accumulation is float32 in k order; each row independent of the others.
+#if defined(__AVX512F__)
+template <int MR, int NV>
+inline void GemmKNTileF32(const float* x, int64_t k_dim, int64_t m0, const float* w, int64_t n,
+                          int64_t n0, float* out) {
+  __m512 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+  const float* xr = x + m0 * k_dim;
+  constexpr int64_t kPrefetch = 16;  // rows ahead (each row of the block is on another page)
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const float* wr = w + k * n + n0;
+    if (m0 == 0 && k + kPrefetch < k_dim) {
+      const char* p = reinterpret_cast<const char*>(wr + kPrefetch * n);
+      for (int v = 0; v < NV; ++v) _mm_prefetch(p + 64 * v, _MM_HINT_T0);
+    }
+    __m512 wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_ps(wr + 16 * v);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 a = _mm512_set1_ps(xr[m * k_dim + k]);
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_fmadd_ps(a, wv[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + (m0 + m) * n + n0 + 16 * v, acc[m][v]);
+}
+
+template <int NV>
+inline void GemmKNColumnsF32(const float* x, int64_t m_dim, int64_t k_dim, const float* w,
+                             int64_t n, int64_t n0, float* out) {
+  constexpr int kMR = 6;
+  int64_t m0 = 0;
+  for (; m0 + kMR <= m_dim; m0 += kMR) GemmKNTileF32<kMR, NV>(x, k_dim, m0, w, n, n0, out);
+  switch (m_dim - m0) {
+    case 1: GemmKNTileF32<1, NV>(x, k_dim, m0, w, n, n0, out); break;
+    case 2: GemmKNTileF32<2, NV>(x, k_dim, m0, w, n, n0, out); break;
+    case 3: GemmKNTileF32<3, NV>(x, k_dim, m0, w, n, n0, out); break;
+    case 4: GemmKNTileF32<4, NV>(x, k_dim, m0, w, n, n0, out); break;
+    case 5: GemmKNTileF32<5, NV>(x, k_dim, m0, w, n, n0, out); break;
+    default: break;
+  }
+}
+
+template <int MR>
+inline void GemmNKTileF32(const float* x, int64_t k_dim, int64_t m0, const float* w, int64_t n,
+                          int64_t n0, float* out) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < k_dim; k0 += 16) {
+    __m512 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(w + (n0 + j) * k_dim + k0);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + (m0 + m) * k_dim + k0);
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  __m512 a[16];
+  for (int j = 0; j < 4; ++j)
+    for (int m = 0; m < 4; ++m) a[4 * j + m] = m < MR ? acc[m][j] : _mm512_setzero_ps();
+  const __m512 sums = TreeSum16(a);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sums);
+  for (int m = 0; m < MR; ++m) std::memcpy(out + (m0 + m) * n + n0, lanes + 4 * m, 16);
+}
+
+inline void GemmNKRowsF32(const float* x, int64_t m_dim, int64_t k_dim, const float* w,
+                          int64_t n, int64_t n0, int64_t n1, float* out) {
+  constexpr int kMR = 4;
+  int64_t m0 = 0;
+  for (; m0 + kMR <= m_dim; m0 += kMR)
+    for (int64_t j = n0; j < n1; j += 4) GemmNKTileF32<kMR>(x, k_dim, m0, w, n, j, out);
+  const int64_t rest = m_dim - m0;
+  for (int64_t j = n0; j < n1; j += 4) {
+    switch (rest) {
+      case 1: GemmNKTileF32<1>(x, k_dim, m0, w, n, j, out); break;
+      case 2: GemmNKTileF32<2>(x, k_dim, m0, w, n, j, out); break;
+      case 3: GemmNKTileF32<3>(x, k_dim, m0, w, n, j, out); break;
+      default: break;
+    }
+  }
+}
+#endif  // __AVX512F__
+
+// x [M, K] f32, w [K, N] (transpose_w = false) or [N, K] (true) f32 -> out [M, N] f32.
+// Shapes: K % 16 == 0; N % 16 == 0 ([K, N]) or N % 4 == 0 ([N, K]); checked in Python too.
+ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                         bool transpose_w, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+#if defined(__AVX512F__)
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("want x [M,K], w 2-D");
+  const int64_t m_dim = xd[0], k_dim = xd[1];
+  const int64_t n = transpose_w ? wd[0] : wd[1];
+  if ((transpose_w ? wd[1] : wd[0]) != k_dim || k_dim % 16 != 0 ||
+      n % (transpose_w ? 4 : 16) != 0) {
+    return ffi::Error::InvalidArgument("matmul shapes: K % 16, N % 16 ([K,N]) or N % 4 ([N,K])");
+  }
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* op = out->typed_data();
+  if (m_dim == 0 || n == 0) return ffi::Error::Success();
+  constexpr int64_t kBlock = 64;
+  const int64_t items = (n + kBlock - 1) / kBlock;
+  const int64_t min_items = std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, m_dim * k_dim * kBlock));
+  ParallelFor(pool, items, min_items, [=](int64_t item) {
+    const int64_t n0 = item * kBlock, n1 = std::min(n, n0 + kBlock);
+    if (transpose_w) {
+      GemmNKRowsF32(xp, m_dim, k_dim, wp, n, n0, n1, op);
+      return;
+    }
+    switch ((n1 - n0) / 16) {
+      case 4: GemmKNColumnsF32<4>(xp, m_dim, k_dim, wp, n, n0, op); break;
+      case 3: GemmKNColumnsF32<3>(xp, m_dim, k_dim, wp, n, n0, op); break;
+      case 2: GemmKNColumnsF32<2>(xp, m_dim, k_dim, wp, n, n0, op); break;
+      default: GemmKNColumnsF32<1>(xp, m_dim, k_dim, wp, n, n0, op); break;
+    }
+  });
+  return ffi::Error::Success();
+#else
+  (void)pool; (void)x; (void)w; (void)transpose_w; (void)out;
+  return ffi::Error::InvalidArgument("this build has no AVX-512 matmul");
+#endif
+}
+
 // Row log-sum-exp. XLA:CPU compiles exp and the sum over the vocabulary differently in different
 // fusions (vectorized or not, depending on the surrounding program's shapes), so the same logits
 // row gets log-sum-exps one ulp apart in a decode step and in a verify step. Here every row is
@@ -864,6 +993,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmserveMatmulBf16, MatmulBf16Impl,
                                   .Arg<ffi::AnyBuffer>()  // w [K, N] or [N, K] bf16
                                   .Attr<bool>("transpose_w")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmserveMatmulF32, MatmulF32Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N] or [N, K]
+                                  .Attr<bool>("transpose_w")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
+
+// 1 when this build has the float32 matmul (the CPU it was built for has AVX-512F), else 0.
+extern "C" int LlmserveHasF32Matmul() {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // 1 when this build has the bf16 matmul (the CPU it was built for has AVX512_BF16), else 0.
 extern "C" int LlmserveHasBf16Matmul() {
