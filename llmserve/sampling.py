@@ -147,23 +147,13 @@ def _maybe_penalize(
         if output_counts is not None or prompt_mask is not None:
             raise ValueError("pass either history or output_counts/prompt_mask, not both")
         counts_table, mask_table, rows = history
-        active = (
-            (arrays.repetition_penalty != 1.0)
-            | (arrays.frequency_penalty != 0.0)
-            | (arrays.presence_penalty != 0.0)
-        )
-        return jax.lax.cond(
-            jnp.any(active),
-            lambda x: apply_penalties(x, arrays, counts_table[rows], mask_table[rows]),
-            lambda x: x,
-            logits,
-        )
-    if output_counts is None and prompt_mask is None:
+        gather = lambda: (counts_table[rows], mask_table[rows])  # noqa: E731  (inside the cond)
+    elif output_counts is None and prompt_mask is None:
         return logits
-    if output_counts is None:
-        output_counts = jnp.zeros(logits.shape, jnp.int32)
-    if prompt_mask is None:
-        prompt_mask = jnp.zeros(logits.shape, jnp.bool_)
+    else:
+        counts = jnp.zeros(logits.shape, jnp.int32) if output_counts is None else output_counts
+        mask = jnp.zeros(logits.shape, jnp.bool_) if prompt_mask is None else prompt_mask
+        gather = lambda: (counts, mask)  # noqa: E731
     active = (
         (arrays.repetition_penalty != 1.0)
         | (arrays.frequency_penalty != 0.0)
@@ -171,7 +161,7 @@ def _maybe_penalize(
     )
     return jax.lax.cond(
         jnp.any(active),
-        lambda x: apply_penalties(x, arrays, output_counts, prompt_mask),
+        lambda x: apply_penalties(x, arrays, *gather()),
         lambda x: x,
         logits,
     )

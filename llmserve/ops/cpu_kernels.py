@@ -173,19 +173,26 @@ def matmul_bf16_cpu(x: Array, w: Array, transpose_w: bool = False) -> Array:
     accumulated in float32 (vdpbf16ps: each bf16 product exact). Every row's arithmetic is
     independent of the other rows. CPU with AVX512_BF16 only (``has_bf16_matmul``); the
     derivative is the plain jnp one (for training code that reaches it)."""
-    if x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-        raise ValueError(f"want bf16 x [M, K] and w 2-D, got x {x.dtype}{x.shape}, "
+    return _native_matmul(x, w, transpose_w, "bf16", jnp.bfloat16, 32, 32, has_bf16_matmul,
+                          "llmserve_matmul_bf16_cpu")
+
+
+def _native_matmul(x: Array, w: Array, transpose_w: bool, name: str, dtype, k_mult: int,
+                   n_mult: int, usable, target: str) -> Array:
+    """The shared checks and FFI call of the native matmuls (K % k_mult; N % n_mult for [K, N],
+    N % 4 for the transposed [N, K])."""
+    if x.ndim != 2 or w.ndim != 2 or x.dtype != dtype or w.dtype != dtype:
+        raise ValueError(f"want {name} x [M, K] and w 2-D, got x {x.dtype}{x.shape}, "
                          f"w {w.dtype}{w.shape}")
     k, n = (w.shape[1], w.shape[0]) if transpose_w else w.shape
-    if x.shape[1] != k or not matmul_bf16_supported(k, n, transpose_w):
+    n_need = 4 if transpose_w else n_mult
+    if x.shape[1] != k or k % k_mult or n % n_need or k == 0 or n == 0:
         raise ValueError(f"matmul shapes x {x.shape}, w {w.shape} (transpose_w={transpose_w}): "
-                         f"need matching K with K % 32 == 0 and N % "
-                         f"{4 if transpose_w else 32} == 0")
+                         f"need matching K with K % {k_mult} == 0 and N % {n_need} == 0")
     _require()
-    if not has_bf16_matmul():
-        raise NativeBuildError("this CPU (or build) has no AVX512_BF16 matmul")
-    call = jax.ffi.ffi_call("llmserve_matmul_bf16_cpu",
-                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+    if not usable():
+        raise NativeBuildError(f"this CPU (or build) has no native {name} matmul")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     return call(x, w, transpose_w=bool(transpose_w))
 
@@ -213,21 +220,8 @@ def matmul_f32_cpu(x: Array, w: Array, transpose_w: bool = False) -> Array:
     """x [M, K] f32 @ w [K, N] (or w [N, K].T) f32 -> [M, N] f32: FMA in k order, every row
     independent of the others. CPU with AVX-512F only (``has_f32_matmul``); the derivative is
     the plain jnp one."""
-    if x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        raise ValueError(f"want float32 x [M, K] and w 2-D, got x {x.dtype}{x.shape}, "
-                         f"w {w.dtype}{w.shape}")
-    k, n = (w.shape[1], w.shape[0]) if transpose_w else w.shape
-    if x.shape[1] != k or not matmul_f32_supported(k, n, transpose_w):
-        raise ValueError(f"matmul shapes x {x.shape}, w {w.shape} (transpose_w={transpose_w}): "
-                         f"need matching K with K % 16 == 0 and N % "
-                         f"{4 if transpose_w else 16} == 0")
-    _require()
-    if not has_f32_matmul():
-        raise NativeBuildError("this CPU (or build) has no AVX-512 float32 matmul")
-    call = jax.ffi.ffi_call("llmserve_matmul_f32_cpu",
-                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
-                            vmap_method="sequential")
-    return call(x, w, transpose_w=bool(transpose_w))
+    return _native_matmul(x, w, transpose_w, "float32", jnp.float32, 16, 16, has_f32_matmul,
+                          "llmserve_matmul_f32_cpu")
 
 
 @matmul_f32_cpu.defjvp
