@@ -16,11 +16,11 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from llmserve import sampling
-from llmserve.kv_cache import DUMMY_PAGE, PartMetadata, RaggedMetadata
+from llmserve.sampling_params import SamplingArrays
 
 Array = Any  # numpy on the host, jax.Array once the runner has moved the batch to the device
 
+DUMMY_PAGE = 0  # page 0 is reserved: padding tokens write there, never into a live page
 MAX_SUPPRESS_IDS = 32  # stop ids a min_tokens request may ban (EOS ids + stop_token_ids)
 STATIC = {"static": True}  # a pytree metadata field (jax.tree_util.register_dataclass)
 
@@ -30,6 +30,35 @@ class _Pytree:
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartMetadata(_Pytree):
+    """One rectangular part [B, t] of a step's flat tokens (decode, prefill chunks, verify).
+
+    Row b's tokens sit at ``q_start[b] + i`` for i < ``lengths[b] - q_start[b]``; the rest of
+    its t tokens are padding. Padding rows have ``lengths == q_start == 0``.
+    """
+
+    q_start: Array  # [B] int32
+    lengths: Array  # [B] int32: valid kv length after this step's tokens are written
+    block_tables: Array  # [B, pages_per_seq] int32
+    t: int = dataclasses.field(metadata=STATIC)  # tokens per row (part of the shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedMetadata(_Pytree):
+    """A step's flat tokens [N] (batch dim 1): its parts in order, and where each token's K/V
+    is written (computed on the host from the block tables; padding goes to the dummy page)."""
+
+    positions: Array  # [1, N] int32: absolute positions (RoPE)
+    write_page: Array  # [N] int32
+    write_offset: Array  # [N] int32
+    parts: tuple  # PartMetadata, in flat order
+    # Batch-invariant mode: every token attends alone, as a one-token query of its own
+    # sequence, so its bits never depend on its part's shape or on which tokens share the
+    # step. None in the default mode (parts attend as [B, t] batches).
+    per_token: Optional[PartMetadata] = None  # [Nq >= N] rows, t = 1
 
 
 @dataclasses.dataclass
@@ -82,7 +111,7 @@ class StepInput(_Pytree):
     emit: Array  # [R] bool: the sampled token is kept
     suppress_ids: Array  # [R, E] int32: token ids banned (min_tokens not reached); V = none
     suppress_until: Array  # [R] int32: the ban holds for this many sampled positions
-    sampling: sampling.SamplingArrays  # [R] per-row parameters
+    sampling: SamplingArrays  # [R] per-row parameters
     num_draft: Array  # [R] int32: drafts a verify row carries (0 elsewhere)
     want_top: Array  # [R] bool: the row's request asked for top-n logprobs (else top-k skipped)
     per_token: Optional[PartMetadata] = None  # batch-invariant mode: one query per token
@@ -280,7 +309,7 @@ class BatchBuilder:
                          write_offset=write_offset, parts=tuple(metas), per_token=per_token,
                          sample_index=sample_index, sample_pos=sample_pos, slot_ids=slot_ids,
                          emit=emit, suppress_ids=suppress_ids, suppress_until=suppress_until,
-                         sampling=sampling.SamplingArrays.from_lists(rows_sampling, xp=np),
+                         sampling=SamplingArrays.from_lists(rows_sampling),
                          num_draft=num_draft, want_top=want_top, head=head_input,
                          verify=verify)
 

@@ -22,13 +22,16 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from llmserve.batch import DUMMY_PAGE, PartMetadata, RaggedMetadata  # noqa: F401 (re-exported)
 from llmserve.config import ModelConfig
 from llmserve.ops import attention as attn_ops
 from llmserve.ops.paged_attention import BF16_BITS
 
 Array = jax.Array
 
-DUMMY_PAGE = 0
+# The step's metadata types are host dataclasses (llmserve.batch imports no jax): pytrees here.
+for _cls in (PartMetadata, RaggedMetadata):
+    jax.tree_util.register_dataclass(_cls)
 KV_HEAD_AXIS = 0  # the kv-head axis of a paged layer [K, P, L, H]: what tensor parallelism splits
 
 
@@ -85,35 +88,6 @@ class AttentionMetadata:
             token_mask = jnp.ones(positions.shape, bool)
         return cls(positions=positions, q_start=positions[:, 0], lengths=lengths,
                    token_mask=token_mask)
-
-
-@flax.struct.dataclass
-class PartMetadata:
-    """One rectangular part [B, t] of a step's flat tokens (decode, prefill chunks, verify).
-
-    Row b's tokens sit at ``q_start[b] + i`` for i < ``lengths[b] - q_start[b]``; the rest of
-    its t tokens are padding. Padding rows have ``lengths == q_start == 0``.
-    """
-
-    q_start: Array  # [B] int32
-    lengths: Array  # [B] int32: valid kv length after this step's tokens are written
-    block_tables: Array  # [B, pages_per_seq] int32
-    t: int = flax.struct.field(pytree_node=False)  # tokens per row (static: part of the shape)
-
-
-@flax.struct.dataclass
-class RaggedMetadata:
-    """A step's flat tokens [N] (batch dim 1): its parts in order, and where each token's K/V
-    is written (computed on the host from the block tables; padding goes to the dummy page)."""
-
-    positions: Array  # [1, N] int32: absolute positions (RoPE)
-    write_page: Array  # [N] int32
-    write_offset: Array  # [N] int32
-    parts: tuple  # PartMetadata, in flat order
-    # Batch-invariant mode: every token attends alone, as a one-token query of its own
-    # sequence, so its bits never depend on its part's shape or on which tokens share the
-    # step. None in the default mode (parts attend as [B, t] batches).
-    per_token: Optional[PartMetadata] = None  # [Nq >= N] rows, t = 1
 
 
 @flax.struct.dataclass

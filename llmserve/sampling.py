@@ -25,76 +25,19 @@ depend on its seed and positions only, never on which other requests share the b
 
 from __future__ import annotations
 
-from typing import Any
-
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from llmserve.sampling_params import NEUTRAL, SamplingArrays  # noqa: F401 (re-exported)
 
 Array = jax.Array
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
 
-# The neutral value of each parameter; the field order of SamplingArrays.
-NEUTRAL: dict[str, Any] = {
-    "temperature": 0.0,
-    "top_k": 0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "seed": 0,
-}
-_DTYPES = {
-    "temperature": np.float32,
-    "top_k": np.int32,
-    "top_p": np.float32,
-    "min_p": np.float32,
-    "presence_penalty": np.float32,
-    "frequency_penalty": np.float32,
-    "repetition_penalty": np.float32,
-    "seed": np.uint32,
-}
-
-
-@flax.struct.dataclass
-class SamplingArrays:
-    """Per-slot sampling parameters; every field is an array of shape [B]."""
-
-    temperature: Array  # [B] f32; < 1e-5 => greedy
-    top_k: Array  # [B] i32; <= 0 (or >= V) => disabled
-    top_p: Array  # [B] f32; >= 1.0 => disabled
-    min_p: Array  # [B] f32; <= 0 => disabled
-    presence_penalty: Array  # [B] f32; 0 => disabled
-    frequency_penalty: Array  # [B] f32; 0 => disabled
-    repetition_penalty: Array  # [B] f32; 1.0 => disabled
-    seed: Array  # [B] u32; per-request seed
-
-    @classmethod
-    def neutral(cls, batch: int) -> SamplingArrays:
-        """Greedy, every filter and penalty disabled, seed 0, for `batch` slots."""
-        return cls.from_lists([{}] * batch)
-
-    @classmethod
-    def from_lists(cls, rows: list[dict[str, Any]], xp=jnp) -> SamplingArrays:
-        """Host helper: one dict per slot (keys = field names; missing or None => neutral).
-
-        ``xp=np`` keeps the arrays on the host (a runner batch moves in one ``device_put``).
-        """
-        for row in rows:
-            unknown = set(row) - set(NEUTRAL)
-            if unknown:
-                raise ValueError(f"unknown sampling fields {sorted(unknown)}; know {list(NEUTRAL)}")
-        cols = {}
-        for name, default in NEUTRAL.items():
-            vals = [default if row.get(name) is None else row[name] for row in rows]
-            if name == "seed":  # Python ints of any size wrap into u32.
-                vals = [int(v) & 0xFFFFFFFF for v in vals]
-            cols[name] = xp.asarray(np.asarray(vals, dtype=_DTYPES[name]).reshape(len(rows)))
-        return cls(**cols)
+# SamplingArrays is a host type (numpy, llmserve.sampling_params): a pytree from here on.
+jax.tree_util.register_dataclass(SamplingArrays)
 
 
 @flax.struct.dataclass

@@ -1,4 +1,6 @@
-"""SamplingParams: the per-request knobs, with vLLM's names, defaults and validation."""
+"""SamplingParams: the per-request knobs, with vLLM's names, defaults and validation; and
+SamplingArrays, their per-row array form in a step batch (host numpy; ``llmserve.sampling``
+registers it as a pytree). No jax here."""
 
 from __future__ import annotations
 
@@ -6,7 +8,9 @@ import dataclasses
 import hashlib
 import math
 import numbers
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
 
 _SEED_MASK = 0x7FFFFFFF  # seeds are 31-bit: they fit a signed int32 and a uint32 alike
 
@@ -143,3 +147,65 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# The neutral value of each per-row sampling field; the field order of SamplingArrays.
+NEUTRAL: dict[str, Any] = {
+    "temperature": 0.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "seed": 0,
+}
+_ARRAY_DTYPES = {
+    "temperature": np.float32,
+    "top_k": np.int32,
+    "top_p": np.float32,
+    "min_p": np.float32,
+    "presence_penalty": np.float32,
+    "frequency_penalty": np.float32,
+    "repetition_penalty": np.float32,
+    "seed": np.uint32,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-row sampling parameters; every field is an array of shape [B] (numpy on the host,
+    jax arrays inside a step)."""
+
+    temperature: Any  # [B] f32; < 1e-5 => greedy
+    top_k: Any  # [B] i32; <= 0 (or >= V) => disabled
+    top_p: Any  # [B] f32; >= 1.0 => disabled
+    min_p: Any  # [B] f32; <= 0 => disabled
+    presence_penalty: Any  # [B] f32; 0 => disabled
+    frequency_penalty: Any  # [B] f32; 0 => disabled
+    repetition_penalty: Any  # [B] f32; 1.0 => disabled
+    seed: Any  # [B] u32; per-request seed
+
+    def replace(self, **changes) -> SamplingArrays:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def neutral(cls, batch: int) -> SamplingArrays:
+        """Greedy, every filter and penalty disabled, seed 0, for `batch` rows."""
+        return cls.from_lists([{}] * batch)
+
+    @classmethod
+    def from_lists(cls, rows: Sequence[dict[str, Any]]) -> SamplingArrays:
+        """One dict per row (keys = field names; missing or None => neutral), as numpy arrays
+        (a runner batch moves to the device in one ``device_put``)."""
+        for row in rows:
+            unknown = set(row) - set(NEUTRAL)
+            if unknown:
+                raise ValueError(f"unknown sampling fields {sorted(unknown)}; know {list(NEUTRAL)}")
+        cols = {}
+        for name, default in NEUTRAL.items():
+            vals = [default if row.get(name) is None else row[name] for row in rows]
+            if name == "seed":  # Python ints of any size wrap into u32.
+                vals = [int(v) & 0xFFFFFFFF for v in vals]
+            cols[name] = np.asarray(vals, dtype=_ARRAY_DTYPES[name]).reshape(len(rows))
+        return cls(**cols)
