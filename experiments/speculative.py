@@ -5,9 +5,10 @@ r"""Speculative decoding: speedup over plain decoding from interleaved A/B pairs
   python -m experiments.speculative --config=configs/speculative.py
   python -m experiments.speculative --config=configs/speculative.py --config.dtype=float32
 
-The prompts are built in experiments/spec_workloads.py. See configs/speculative.py for the workloads, the pairs and the overrides. n-gram runs on the
-input-grounded workload (stdlib functions to rewrite with type hints or docstrings), the draft
-model and the EAGLE head on held-out chat questions. Only the public API is used:
+See configs/speculative.py for the workloads, the pairs and the overrides (the prompts are built
+in experiments/spec_workloads.py). n-gram runs on the input-grounded workload (stdlib functions
+to rewrite with type hints or docstrings), the draft model and the EAGLE head on held-out chat
+questions. Only the public API is used:
 ``LLM(..., speculative_config={...})``, ``Engine.add_request`` / ``step``, ``engine.stats`` and
 ``engine.spec_metrics()``.
 
