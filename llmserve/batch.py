@@ -37,13 +37,22 @@ class PartMetadata(_Pytree):
     """One rectangular part [B, t] of a step's flat tokens (decode, prefill chunks, verify).
 
     Row b's tokens sit at ``q_start[b] + i`` for i < ``lengths[b] - q_start[b]``; the rest of
-    its t tokens are padding. Padding rows have ``lengths == q_start == 0``.
+    its t tokens are padding. Padding rows have ``lengths == q_start == 0``. A prefill chunk
+    longer than t spans consecutive rows (blocks of t tokens of one sequence, only the last
+    one partial), so several chunks of any length pack into one part; the part then samples
+    one row per chunk (``samples`` rows, fewer than B), not one per block.
     """
 
     q_start: Array  # [B] int32
     lengths: Array  # [B] int32: valid kv length after this step's tokens are written
     block_tables: Array  # [B, pages_per_seq] int32
     t: int = dataclasses.field(metadata=STATIC)  # tokens per row (part of the shape)
+    samples: int = dataclasses.field(default=0, metadata=STATIC)  # sampled rows (0: B)
+
+    @property
+    def num_samples(self) -> int:
+        """Rows of the step's R sampled rows that belong to this part."""
+        return self.samples or self.block_tables.shape[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +99,7 @@ class HeadInput(_Pytree):
     first_row: Array  # [N] int32: the row whose first token this is, else -1
     carry: Array  # [R] bool: the slot's carried feature is this row's h_{start-1}
     draft: Array  # [] bool: draft for the next step (False: the next step will not verify)
+    tables: Array  # [R, pages_per_seq] int32: each sampled row's block table (its drafts)
 
 @dataclasses.dataclass(frozen=True)
 class StepInput(_Pytree):
@@ -142,14 +152,18 @@ class BatchBuilder:
     """Picks each part's bucket and builds the typed host batch of a step (numpy only).
 
     ``head``: an EAGLE head runs inside the step (the batch says where its input features come
-    from); ``min_rows``: batch-invariant steps pad to at least this many tokens.
+    from); ``min_rows``: batch-invariant steps pad to at least this many tokens;
+    ``max_prefill_seqs``: chunks one prefill part may carry (its sampled rows).
     """
 
     def __init__(self, *, vocab_size: int, page_size: int, pages_per_seq: int, max_slots: int,
                  decode_buckets: Sequence[int], prefill_buckets: Sequence[tuple[int, int]],
                  mixed_decode_buckets: Sequence[int] | None = None,
                  num_speculative_tokens: int = 0, verify_buckets: Sequence[int] | None = None,
-                 head: bool = False, batch_invariant: bool = False, min_rows: int = 1):
+                 head: bool = False, batch_invariant: bool = False, min_rows: int = 1,
+                 max_prefill_seqs: int = 8, trim_from: int = 128):
+        if max_prefill_seqs < 1:
+            raise ValueError(f"max_prefill_seqs={max_prefill_seqs} must be >= 1")
         self.vocab_size = vocab_size
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
@@ -159,7 +173,15 @@ class BatchBuilder:
         # largest decode bucket): beside a chunk the extra rows cost little, and the compiled
         # set stays |decode| + 2 |prefill| shapes instead of |decode| x |prefill|.
         self.mixed_decode_buckets = sorted(mixed_decode_buckets or [self.decode_buckets[-1]])
+        # Prefill parts [Bp, C], cheapest (fewest tokens) first. A chunk takes ceil(len / C)
+        # consecutive rows, so with a small C several chunks of any length pack into one part
+        # and a step's prefill cost follows its real tokens, not the longest chunk.
         self.prefill_buckets = sorted(prefill_buckets, key=lambda x: (x[0] * x[1], x))
+        self.max_prefill_seqs = max_prefill_seqs
+        # fit_chunk stops a chunk at a bucket's edge only for buckets of at least this many
+        # tokens: below it a step costs about the same whatever its tokens (the weight reads
+        # dominate), so a smaller bucket saves little; above, cost grows with the tokens.
+        self.trim_from = trim_from
         # Verify steps [Bv, 1 + D]: a row of 1 + D tokens costs about one decode row's weight
         # pass at batch 1-2 (bf16 runs 2-8 token rows in the time of 8), so verify keeps the
         # small buckets that decode drops; beside prefill chunks it pads to the largest.
@@ -183,20 +205,67 @@ class BatchBuilder:
                 return b
         raise ValueError(f"{n} decode rows exceed the largest bucket {buckets[-1:]}")
 
-    def prefill_bucket(self, rows: int, longest: int) -> tuple[int, int]:
-        """The cheapest (rows, chunk) bucket holding ``rows`` chunks of up to ``longest``."""
+    # ------------------------------------------------------------------ prefill packing
+    def prefill_seqs(self, rows: int) -> int:
+        """Chunks (sampled rows) a prefill part of ``rows`` rows carries at most."""
+        return min(rows, self.max_prefill_seqs)
+
+    def _fits(self, bucket: tuple[int, int], lengths: Sequence[int]) -> bool:
+        b, c = bucket
+        return (len(lengths) <= self.prefill_seqs(b)
+                and sum(-(-max(n, 1) // c) for n in lengths) <= b)
+
+    def prefill_bucket(self, lengths: Sequence[int]) -> tuple[int, int]:
+        """The cheapest (rows, chunk) bucket holding chunks of these lengths (each takes
+        ceil(length / chunk) rows)."""
+        for bucket in self.prefill_buckets:
+            if self._fits(bucket, lengths):
+                return bucket
+        raise ValueError(f"no prefill bucket of {self.prefill_buckets} holds chunks of "
+                         f"{list(lengths)} tokens")
+
+    def prefill_room(self, lengths: Sequence[int]) -> int:
+        """The most tokens one more chunk may take beside chunks of ``lengths`` (0: none)."""
+        room = 0
         for b, c in self.prefill_buckets:
-            if b >= rows and c >= longest:
-                return b, c
-        raise ValueError(f"no prefill bucket holds {rows} rows of {longest} tokens")
+            if len(lengths) < self.prefill_seqs(b):
+                room = max(room, (b - sum(-(-max(n, 1) // c) for n in lengths)) * c)
+        return room
+
+    def fit_chunk(self, lengths: Sequence[int], want: int) -> int:
+        """How many of ``want`` tokens the next chunk takes beside chunks of ``lengths``.
+
+        As many as fit, unless that spills into a bigger bucket for few tokens: when the
+        tokens past the next smaller bucket's room are fewer than half the two buckets'
+        difference (and that bucket holds >= ``trim_from`` tokens, where step cost grows with
+        tokens), the chunk stops at that room and the rest waits for the next step (where it
+        packs beside other work). The first chunk of a step always gets >= 1.
+        """
+        take = min(want, self.prefill_room(lengths))
+        if take <= 0:
+            return 0
+        used = self.prefill_bucket([*lengths, take])
+        size = used[0] * used[1]
+        for b, c in reversed(self.prefill_buckets):
+            if b * c >= size or len(lengths) >= self.prefill_seqs(b):
+                continue
+            if b * c < self.trim_from:
+                break
+            room = (b - sum(-(-max(n, 1) // c) for n in lengths)) * c
+            if (room >= 1 or (room == 0 and lengths)) and 2 * (take - room) < size - b * c:
+                return room
+            break  # only the next smaller bucket is considered
+        return take
 
     @property
     def max_prefill_rows(self) -> int:
-        return max(b for b, _ in self.prefill_buckets)
+        """Chunks one step may carry at most."""
+        return max(self.prefill_seqs(b) for b, _ in self.prefill_buckets)
 
     @property
     def max_chunk(self) -> int:
-        return max(c for _, c in self.prefill_buckets)
+        """Tokens one chunk may take at most (a whole part)."""
+        return max(b * c for b, c in self.prefill_buckets)
 
     def step_shapes(self) -> list[tuple]:
         """Every (decode rows, (prefill rows, chunk), width) shape a step can take: decode
@@ -218,33 +287,39 @@ class BatchBuilder:
         """Builds the typed host batch (numpy) for one step from its scheduled rows.
 
         ``decode`` rows get a part [Bd, 1] (``verify``: [Bv, 1 + D], each row its last token
-        and up to D drafts), ``prefill`` rows a part [Bp, C]; each part is padded to its
-        bucket, and an empty one is left out. ``head_drafts``: an EAGLE head drafts for the
-        next step (False when the next step will not verify).
+        and up to D drafts), ``prefill`` chunks a part [Bp, C] (each chunk ceil(len / C)
+        rows); each part is padded to its bucket, and an empty one is left out.
+        ``head_drafts``: an EAGLE head drafts for the next step (False when the next step will
+        not verify).
         """
         parts = []
         if decode:
             width = 1 + self.num_speculative_tokens if verify else 1
             if verify and not self.num_speculative_tokens:
                 raise ValueError("a verify step needs a Runner built with num_speculative_tokens")
-            parts.append((decode, self.decode_bucket(len(decode), bool(prefill), verify), width))
+            b = self.decode_bucket(len(decode), bool(prefill), verify)
+            parts.append((decode, b, width, b))
         if prefill:
-            b, c = self.prefill_bucket(len(prefill), max(len(r.tokens) for r in prefill))
-            parts.append((prefill, b, c))
+            b, c = self.prefill_bucket([len(r.tokens) for r in prefill])
+            parts.append((prefill, b, c, self.prefill_seqs(b)))
         return self.build(parts, verify=verify and bool(decode), head_drafts=head_drafts)
 
     def empty_batch(self, shape: tuple) -> StepInput:
         """A batch of the given ``step_shapes()`` entry with every row padding (warm-up)."""
         d, p, w = shape if len(shape) == 3 else (*shape, 1)
-        parts = ([([], d, w)] if d else []) + ([([], p[0], p[1])] if p else [])
+        parts = (([([], d, w, d)] if d else [])
+                 + ([([], p[0], p[1], self.prefill_seqs(p[0]))] if p else []))
         return self.build(parts, verify=w > 1)
 
     def build(self, parts, verify: bool = False, head_drafts: bool = True) -> StepInput:
-        """The host batch for ``parts`` = [(rows, bucket rows, tokens per row)], in flat order
-        (``prepare`` and ``empty_batch`` choose the buckets; multi-host followers rebuild a
-        template of the leader's shape with it)."""
-        n = max(sum(b * t for _, b, t in parts), self.min_rows)
-        r = sum(b for _, b, _ in parts)
+        """The host batch for ``parts`` = [(rows, bucket rows B, tokens per row t, sampled
+        rows S)], in flat order (``prepare`` and ``empty_batch`` choose the buckets;
+        multi-host followers rebuild a template of the leader's shape with it). Each
+        scheduled row takes ceil(len / t) consecutive rows of its part and one sampled row;
+        its tokens sit contiguously in the flat order (only its last block is partial)."""
+        parts = [p if len(p) == 4 else (*p, p[1]) for p in parts]
+        n = max(sum(b * t for _, b, t, _ in parts), self.min_rows)
+        r = sum(s for *_, s in parts)
         size, m, v = self.page_size, self.pages_per_seq, self.vocab_size
         tokens = np.zeros(n, np.int32)
         positions = np.zeros(n, np.int32)
@@ -263,24 +338,35 @@ class BatchBuilder:
             prev = np.full(n, -1, np.int32)
             first_row = np.full(n, -1, np.int32)
             carry = np.zeros(r, bool)
+            sample_tables = np.full((r, m), DUMMY_PAGE, np.int32)
         rows_sampling: list[dict] = [{} for _ in range(r)]
         metas = []
         off = row = 0
-        for rows, b, t in parts:
+        for rows, b, t, s in parts:
+            if len(rows) > s:
+                raise ValueError(f"{len(rows)} rows exceed the part's {s} sampled rows")
             q_start = np.zeros(b, np.int32)
             lengths = np.zeros(b, np.int32)
             tables = np.full((b, m), DUMMY_PAGE, np.int32)
+            blk = 0  # the part's next free row
             for i, spec in enumerate(rows):
                 k = len(spec.tokens)
-                base = off + i * t
+                nblk = -(-max(k, 1) // t)
+                if blk + nblk > b:
+                    raise ValueError(f"rows of {[len(x.tokens) for x in rows]} tokens do not "
+                                     f"fit a part of {b} rows of {t}")
+                base = off + blk * t
                 pos = spec.start + np.arange(k)
                 table = np.asarray(spec.block_table, np.int32)
                 tokens[base:base + k] = spec.tokens
                 positions[base:base + k] = pos
                 write_page[base:base + k] = table[pos // size]
                 write_offset[base:base + k] = pos % size
-                q_start[i], lengths[i] = spec.start, spec.start + k
-                tables[i, : len(table)] = table
+                for j in range(nblk):  # block j: tokens [j t, min((j + 1) t, k))
+                    q_start[blk + j] = spec.start + j * t
+                    lengths[blk + j] = spec.start + min((j + 1) * t, k)
+                    tables[blk + j, : len(table)] = table
+                blk += nblk
                 j = row + i
                 if verify and not metas:  # the verify part: its drafts follow the last token
                     num_draft[j] = k - 1
@@ -295,16 +381,18 @@ class BatchBuilder:
                     prev[base + 1:base + k] = np.arange(base, base + k - 1)
                     first_row[base] = j
                     carry[j] = spec.carry_feature
-            for i in range(len(rows), b):  # padding rows sample from their own (dummy) token
-                sample_index[row + i] = off + i * t
+                    sample_tables[j, : len(table)] = table
+            for i in range(len(rows), s):  # padding rows sample from a padding-row token
+                sample_index[row + i] = off + min(i, b - 1) * t
             metas.append(PartMetadata(q_start=q_start, lengths=lengths, block_tables=tables,
-                                      t=t))
+                                      t=t, samples=s))
             off += b * t
-            row += b
+            row += s
         per_token = self._per_token(metas, positions, write_page) \
             if self.batch_invariant else None
         head_input = HeadInput(prev=prev, first_row=first_row, carry=carry,
-                               draft=np.asarray(head_drafts)) if head else None
+                               draft=np.asarray(head_drafts), tables=sample_tables) \
+            if head else None
         return StepInput(tokens=tokens, positions=positions, write_page=write_page,
                          write_offset=write_offset, parts=tuple(metas), per_token=per_token,
                          sample_index=sample_index, sample_pos=sample_pos, slot_ids=slot_ids,

@@ -21,9 +21,9 @@ import numpy as np
 from llmserve.batch import StepInput
 from llmserve.runner import Runner
 
-# Header: [op, parts, rows of part 0, tokens per row of part 0, rows of part 1, tokens/row].
+# Header: [op, parts, then per part (rows, tokens per row, sampled rows)].
 OP_STOP, OP_STEP, OP_COPY, OP_SAMPLER = 0, 1, 2, 3
-HEADER = 6
+HEADER = 8
 
 
 def _broadcast(tree, is_source: bool):
@@ -54,7 +54,8 @@ class LeaderRunner(Runner):
             raise NotImplementedError("speculative decoding is not mirrored across processes "
                                       "yet")
         if self._leads:
-            shape = [x for p in batch.parts for x in (p.block_tables.shape[0], p.t)]
+            shape = [x for p in batch.parts
+                     for x in (p.block_tables.shape[0], p.t, p.num_samples)]
             _send([OP_STEP, len(batch.parts), *shape], batch)
         return super().run(batch)
 
@@ -87,8 +88,9 @@ def follow(runner: Runner) -> int:
         if op == OP_STOP:
             return calls
         if op == OP_STEP:
-            parts, b0, t0, b1, t1 = (int(x) for x in head[1:6])
-            template = runner.build([([], b0, t0)] + ([([], b1, t1)] if parts == 2 else []))
+            parts = int(head[1])
+            spec = [int(x) for x in head[2:2 + 3 * parts]]
+            template = runner.build([([], *spec[3 * i:3 * i + 3]) for i in range(parts)])
             Runner.run(runner, _broadcast(template, False))
         elif op == OP_COPY:
             pairs = _broadcast(np.zeros((int(head[1]), 2), np.int32), False)

@@ -253,7 +253,7 @@ def _eagle_after_step(params, eagle: EagleState, inp: StepInput, hidden: Array,
     _, hcache = eagle_lib.run_head(eagle.params, embed, eagle.cache, feats[None], tokens[None],
                                     inp.metadata(), ecfg, backend)
     # Each emitting row drafts from (h_{L-1}, x_L) at position L.
-    tables = jnp.concatenate([p.block_tables for p in inp.parts])  # [R, M]
+    tables = head.tables  # [R, M]: each sampled row's block table
     feat = hidden[jnp.clip(last, 0, n - 1)]  # [R, D]: h_{L-1}
     emitted = jnp.take_along_axis(result.tokens, result.num_accepted[:, None], axis=1)[:, 0]
     pos = jnp.where(inp.emit, inp.positions[jnp.clip(last, 0, n - 1)] + 1, 0)
@@ -331,7 +331,7 @@ class Runner:
                  mixed_decode_buckets: Sequence[int] | None = None,
                  num_speculative_tokens: int = 0,
                  verify_buckets: Sequence[int] | None = None, eagle=None,
-                 batch_invariant: bool = False, shardings=None):
+                 batch_invariant: bool = False, shardings=None, max_prefill_seqs: int = 8):
         # ``shardings`` (llmserve.sharding.Shardings, or None for one device): the mesh this
         # runner's params and cache are split over; the jitted step follows their shardings.
         self.shardings = shardings
@@ -377,7 +377,8 @@ class Runner:
             max_slots=max_slots, decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
             mixed_decode_buckets=mixed_decode_buckets,
             num_speculative_tokens=num_speculative_tokens, verify_buckets=verify_buckets,
-            head=eagle is not None, batch_invariant=batch_invariant, min_rows=self.min_rows)
+            head=eagle is not None, batch_invariant=batch_invariant, min_rows=self.min_rows,
+            max_prefill_seqs=max_prefill_seqs)
         self.programs = programs_for((
             cfg, backend, num_logprobs, self.min_rows, self.eagle_cfg, max_slots, num_pages,
             page_size, self.pages_per_seq, tuple(self.step_shapes()),
@@ -414,9 +415,13 @@ class Runner:
         """See ``BatchBuilder.decode_bucket``."""
         return self.batches.decode_bucket(n, mixed, verify)
 
-    def prefill_bucket(self, rows: int, longest: int) -> tuple[int, int]:
+    def prefill_bucket(self, lengths: Sequence[int]) -> tuple[int, int]:
         """See ``BatchBuilder.prefill_bucket``."""
-        return self.batches.prefill_bucket(rows, longest)
+        return self.batches.prefill_bucket(lengths)
+
+    def fit_chunk(self, lengths: Sequence[int], want: int) -> int:
+        """See ``BatchBuilder.fit_chunk``."""
+        return self.batches.fit_chunk(lengths, want)
 
     def step_shapes(self) -> list[tuple]:
         """See ``BatchBuilder.step_shapes``."""

@@ -14,7 +14,7 @@ import collections
 import dataclasses
 import enum
 import itertools
-from typing import Optional
+from typing import Callable, Optional
 
 from llmserve.block_manager import BlockManager, NoFreePages
 from llmserve.sampling_params import SamplingParams
@@ -101,7 +101,8 @@ class Scheduler:
     """Waiting/running queues, slots, admission, chunked prefill and preemption."""
 
     def __init__(self, blocks: BlockManager, *, max_slots: int, max_prefill_rows: int,
-                 max_chunk: int, max_num_batched_tokens: int, policy: str = "continuous"):
+                 max_chunk: int, max_num_batched_tokens: int, policy: str = "continuous",
+                 fit_chunk: Optional[Callable[[list[int], int], int]] = None):
         if policy not in ("continuous", "static"):
             raise ValueError(f"unknown scheduling policy {policy!r}; use continuous or static")
         self.blocks = blocks
@@ -109,6 +110,9 @@ class Scheduler:
         self.max_prefill_rows = max_prefill_rows
         self.max_chunk = max_chunk
         self.budget = max_num_batched_tokens
+        # fit_chunk(lengths so far, wanted) -> tokens the next chunk takes: the runner's
+        # prefill buckets decide what packs into one step (None: up to max_chunk each).
+        self.fit_chunk = fit_chunk
         self.policy = policy
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order: the last is the newest
@@ -164,7 +168,9 @@ class Scheduler:
             if len(prefill) >= self.max_prefill_rows or budget <= 0:
                 break
             if seq.in_prefill and seq not in decode:
-                chunk = self._chunk(seq, budget)
+                chunk = self._chunk(seq, budget, prefill)
+                if chunk is None:
+                    break
                 prefill.append(chunk)
                 budget -= chunk.length
         self._admit(prefill, budget, copies)
@@ -186,7 +192,9 @@ class Scheduler:
             if len(prefill) >= self.max_prefill_rows or budget <= 0:
                 break
             if seq.in_prefill:
-                chunk = self._chunk(seq, budget)
+                chunk = self._chunk(seq, budget, prefill)
+                if chunk is None:
+                    break
                 prefill.append(chunk)
                 budget -= chunk.length
         self._admit(prefill, budget, copies)
@@ -216,8 +224,18 @@ class Scheduler:
                         break
         return decode
 
-    def _chunk(self, seq: Sequence, budget: int) -> PrefillChunk:
-        length = min(seq.num_tokens - seq.num_computed, self.max_chunk, budget)
+    def _room(self, prefill: list[PrefillChunk], want: int) -> int:
+        """Tokens a next chunk wanting ``want`` may take beside ``prefill`` (0: none)."""
+        want = min(want, self.max_chunk)
+        if self.fit_chunk is None:
+            return want
+        return self.fit_chunk([c.length for c in prefill], want)
+
+    def _chunk(self, seq: Sequence, budget: int,
+               prefill: list[PrefillChunk]) -> Optional[PrefillChunk]:
+        length = self._room(prefill, min(seq.num_tokens - seq.num_computed, budget))
+        if length <= 0:
+            return None
         return PrefillChunk(seq, seq.num_computed, length)
 
     def _admit(self, prefill: list[PrefillChunk], budget: int, copies: list) -> None:
@@ -228,19 +246,23 @@ class Scheduler:
             seq = self.waiting[0]
             # A child that already has outputs (it was preempted) recomputes like any other.
             if seq.fork_from is not None and not seq.fork_from.finished and not seq.output_ids:
-                if not self._try_fork(seq, copies):
+                if self._room(prefill, 1) < 1 or not self._try_fork(seq, copies):
                     break
                 prefill.append(PrefillChunk(seq, seq.num_computed, 1))
                 budget -= 1
                 continue
             if not self.blocks.can_allocate(seq.all_ids, seq.cache_salt):
                 break
+            if self._room(prefill, min(seq.num_tokens, budget)) <= 0:
+                break  # the step's prefill part is full: admit next step
             self.waiting.popleft()
             seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids, seq.cache_salt)
             if seq.num_preemptions == 0:
                 seq.num_cached = seq.num_computed
             self._start(seq)
-            chunk = self._chunk(seq, budget)
+            chunk = self._chunk(seq, budget, prefill)
+            if chunk is None:  # it waits, running, and prefills first next step
+                break
             prefill.append(chunk)
             budget -= chunk.length
 

@@ -90,3 +90,53 @@ def test_default_decode_buckets_follow_the_measured_matmul_costs():
     assert default_decode_buckets(32, "bfloat16", native_bf16_matmul=True) == [1, 8, 16, 32]
     assert default_decode_buckets(32, "float32") == [1, 8, 16, 32]
     assert default_decode_buckets(4, "bfloat16") == [4]
+
+
+def test_a_long_chunk_spans_consecutive_rows_and_samples_once():
+    """Chunks longer than the part's t take ceil(len / t) rows of one sequence (q_start and
+    lengths per block, the same block table); tokens stay contiguous in flat order, and each
+    chunk, not each block, gets one sampled row (the part samples min(B, max_prefill_seqs))."""
+    b = _builder(prefill_buckets=[(2, 4), (8, 4)], max_prefill_seqs=3)
+    pre = [_row(4, list(range(10, 19)), [2, 6, 10, 11], 2), _row(0, [1, 2], [3], 5)]
+    assert b.prefill_bucket([9, 2]) == (8, 4)  # 3 + 1 rows: only the 8-row bucket holds them
+    batch = b.prepare([], pre)
+    (part,) = batch.parts
+    assert (part.block_tables.shape[0], part.t, part.num_samples) == (8, 4, 3)
+    assert list(part.q_start[:4]) == [4, 8, 12, 0]
+    assert list(part.lengths[:4]) == [8, 12, 13, 2]
+    assert (part.block_tables[:3, :4] == [2, 6, 10, 11]).all() and part.block_tables[3, 0] == 3
+    assert (part.lengths[4:] == 0).all()
+    assert list(batch.tokens[:9]) == list(range(10, 19)) and list(batch.tokens[12:14]) == [1, 2]
+    assert list(batch.positions[:9]) == list(range(4, 13))
+    assert batch.write_page[8] == 11 and batch.write_offset[8] == 0  # position 12
+    assert (batch.write_page[9:12] == DUMMY_PAGE).all()  # the first chunk's partial block
+    assert list(batch.sample_index) == [8, 13, batch.sample_index[2]]
+    assert list(batch.sample_pos[:2]) == [13, 2]
+    assert list(batch.slot_ids) == [2, 5, 8] and list(batch.emit) == [True, True, False]
+    shapes = set(b.step_shapes())
+    assert (0, (8, 4), 1) in shapes
+    with pytest.raises(ValueError, match="no prefill bucket"):
+        b.prefill_bucket([4] * 4)  # four chunks: more than max_prefill_seqs
+
+
+def test_fit_chunk_fills_buckets_and_defers_a_small_spill():
+    """The next chunk takes what fits; when a few tokens would spill into a bucket twice the
+    size, it stops at the smaller bucket's room and the rest waits a step."""
+    b = _builder(prefill_buckets=[(2, 16), (8, 16), (16, 16), (32, 16)], max_prefill_seqs=4,
+                 trim_from=128)
+    assert b.fit_chunk([], 40) == 40  # the 128 bucket: nothing smaller is worth trimming to
+    assert b.fit_chunk([], 140) == 128  # 140 would need the 256 bucket for 12 tokens
+    assert b.fit_chunk([], 200) == 200  # 72 past 128: the 256 bucket pays for itself
+    assert b.fit_chunk([], 1000) == 512  # at most the largest part
+    assert b.fit_chunk([128], 10) == 0  # 128 fills its bucket: 10 more wait a step
+    assert b.fit_chunk([128], 100) == 100
+    assert b.fit_chunk([16] * 4, 16) == 0  # four chunks: max_prefill_seqs reached
+    assert b.fit_chunk([], 1) == 1
+    assert _builder(prefill_buckets=[(2, 16), (8, 16), (16, 16)], trim_from=512).fit_chunk(
+        [], 140) == 140  # trimming only from trim_from tokens up
+    for lengths in ([], [5], [20, 3], [64, 64], [128]):
+        for want in (1, 7, 33, 90, 300):
+            got = b.fit_chunk(lengths, want)
+            assert 0 <= got <= want and (got or lengths)
+            if got:
+                b.prefill_bucket([*lengths, got])  # what it gives always fits a bucket

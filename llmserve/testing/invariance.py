@@ -123,7 +123,8 @@ def invariance_matrix(make_engine: Callable[..., Engine], targets: Sequence[Targ
                                                  prefill_buckets=((1, 4), (2, 8))), ids))
     # Preemption and recompute: a page pool far too small for everyone at once.
     eng = make_engine(enable_prefix_caching=False, num_pages=None, small_pool=True)
-    others = random_cotenants(rng, vocab, 16, max_prompt, max_new, "p")
+    # (co-tenants that generate 3x longer: decode growth, not admission, is what preempts)
+    others = random_cotenants(rng, vocab, 16, max_prompt, 3 * max_new, "p")
     compare("preemption + recompute", run(eng, ids + others))
     matrix["preemptions"] = (eng.stats["preemptions"], 0)
     if speculative:
