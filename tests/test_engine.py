@@ -61,13 +61,15 @@ def test_greedy_matches_reference_under_continuous_batching(tiny):
     assert eng.blocks.all_free()
 
 
-def test_block_packed_prefill_matches_reference(tiny):
+@pytest.mark.parametrize("backend", ["cpu", "pallas_interpret"])
+def test_block_packed_prefill_matches_reference(tiny, backend):
     """Prefill parts of 4-token blocks: a chunk spans several rows and chunks of different
     lengths pack into one part beside decode rows; greedy tokens equal the reference loop's
-    and nothing compiles after warm-up."""
+    and nothing compiles after warm-up (native CPU kernel and the Pallas kernel alike)."""
     cfg, params = tiny
-    prompts, lens = random_workload(cfg, 24, seed=3)
-    eng = make_engine(cfg, params, prefill_buckets=((2, 4), (4, 4), (8, 4)), max_prefill_seqs=3)
+    prompts, lens = random_workload(cfg, 24 if backend == "cpu" else 12, seed=3)
+    eng = make_engine(cfg, params, prefill_buckets=((2, 4), (4, 4), (8, 4)), max_prefill_seqs=3,
+                      backend=backend)
     seen = []
     prepare = eng.runner.batches.prepare
 

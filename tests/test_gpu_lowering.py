@@ -65,7 +65,7 @@ def test_flash_attention_lowers_to_triton(n, kh, h, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("t", [1, 5, 8])  # decode, verify (R = 4), a prefill block
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("n,kh,h", [(9, 3, 64), (8, 1, 128)], ids=lambda x: str(x))
 def test_paged_attention_lowers_to_triton(n, kh, h, page_size, t, dtype):

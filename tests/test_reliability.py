@@ -114,7 +114,9 @@ def test_min_tokens_bans_many_stop_ids_and_matches_under_speculation(tiny):
     for spec in ({"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
                  {"method": "draft", "model": (cfg, params), "num_speculative_tokens": 4,
                   "adaptive": False}):
-        eng = make_engine(cfg, params, decode_buckets=(8,), speculative_config=spec)
+        # One request: two slots and one prefill bucket keep the compiled set small.
+        eng = make_engine(cfg, params, max_num_seqs=2, decode_buckets=(2,),
+                          prefill_buckets=((2, 8),), speculative_config=spec)
         got = run_all(eng, [prompt], [sp])[0].outputs[0]
         assert got.token_ids == plain.token_ids and got.finish_reason == plain.finish_reason
 

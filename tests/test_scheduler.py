@@ -3,6 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmserve.batch import BatchBuilder
 from llmserve.block_manager import BlockManager
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler import Scheduler, Sequence, Status
@@ -25,13 +26,24 @@ def check(sched: Scheduler, blocks: BlockManager, max_slots: int) -> None:
     policy=st.sampled_from(["continuous", "static"]),
     lookahead=st.integers(0, 3),
     abort_every=st.integers(0, 7),
+    packed=st.booleans(),
 )
 def test_every_request_finishes_and_pages_return(reqs, num_pages, policy, lookahead,
-                                                 abort_every):
+                                                 abort_every, packed):
+    """``packed``: chunks packed into block buckets, the runner's ``fit_chunk`` deciding."""
     page, max_slots, max_len = 4, 4, 48
     blocks = BlockManager(num_pages, page)
-    sched = Scheduler(blocks, max_slots=max_slots, max_prefill_rows=2, max_chunk=8,
-                      max_num_batched_tokens=16, policy=policy)
+    builder = BatchBuilder(vocab_size=64, page_size=page, pages_per_seq=12,
+                           max_slots=max_slots, decode_buckets=[4],
+                           prefill_buckets=[(2, 4), (4, 4), (8, 4)], max_prefill_seqs=3,
+                           trim_from=16)
+    if packed:
+        sched = Scheduler(blocks, max_slots=max_slots, max_prefill_rows=3, max_chunk=32,
+                          max_num_batched_tokens=16, policy=policy,
+                          fit_chunk=builder.fit_chunk)
+    else:
+        sched = Scheduler(blocks, max_slots=max_slots, max_prefill_rows=2, max_chunk=8,
+                          max_num_batched_tokens=16, policy=policy)
     seqs = []
     for i, (plen, new, n) in enumerate(reqs):
         sp = SamplingParams(n=n, max_tokens=new)
@@ -52,6 +64,8 @@ def test_every_request_finishes_and_pages_return(reqs, num_pages, policy, lookah
         plan = sched.schedule(lookahead, max_len)
         check(sched, blocks, max_slots)
         assert not (set(map(id, plan.decode)) & {id(c.seq) for c in plan.prefill})
+        if packed and plan.prefill:  # what the scheduler planned always fits a bucket
+            builder.prefill_bucket([c.length for c in plan.prefill])
         for c in plan.prefill:
             c.seq.num_computed += c.length
             if c.final:

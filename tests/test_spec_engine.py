@@ -14,7 +14,9 @@ from .test_engine import run_all
 
 
 def make_engine(cfg, params, **kw):
-    """One decode bucket: verify and draft shapes compile once per K."""
+    """One decode bucket and one block-packed prefill bucket (up to 4 chunks, 32 tokens):
+    verify and draft shapes compile once per K, and the compiled set stays small."""
+    kw.setdefault("prefill_buckets", ((4, 8),))
     return _make_engine(cfg, params, decode_buckets=(8,), **kw)
 
 
