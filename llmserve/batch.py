@@ -210,10 +210,15 @@ class BatchBuilder:
         """Chunks (sampled rows) a prefill part of ``rows`` rows carries at most."""
         return min(rows, self.max_prefill_seqs)
 
+    @staticmethod
+    def _rows(lengths: Sequence[int], c: int) -> int:
+        """Rows of C tokens that chunks of ``lengths`` take (each ceil(len / C), at least 1)."""
+        return sum(-(-max(n, 1) // c) for n in lengths)
+
     def _fits(self, bucket: tuple[int, int], lengths: Sequence[int]) -> bool:
         b, c = bucket
         return (len(lengths) <= self.prefill_seqs(b)
-                and sum(-(-max(n, 1) // c) for n in lengths) <= b)
+                and self._rows(lengths, c) <= b)
 
     def prefill_bucket(self, lengths: Sequence[int]) -> tuple[int, int]:
         """The cheapest (rows, chunk) bucket holding chunks of these lengths (each takes
@@ -229,7 +234,7 @@ class BatchBuilder:
         room = 0
         for b, c in self.prefill_buckets:
             if len(lengths) < self.prefill_seqs(b):
-                room = max(room, (b - sum(-(-max(n, 1) // c) for n in lengths)) * c)
+                room = max(room, (b - self._rows(lengths, c)) * c)
         return room
 
     def fit_chunk(self, lengths: Sequence[int], want: int) -> int:
@@ -251,7 +256,7 @@ class BatchBuilder:
                 continue
             if b * c < self.trim_from:
                 break
-            room = (b - sum(-(-max(n, 1) // c) for n in lengths)) * c
+            room = (b - self._rows(lengths, c)) * c
             if (room >= 1 or (room == 0 and lengths)) and 2 * (take - room) < size - b * c:
                 return room
             break  # only the next smaller bucket is considered
