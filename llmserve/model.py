@@ -84,20 +84,26 @@ class RMSNorm(nn.Module):
 MIN_BF16_ROWS = 2
 
 
-def matmul_f32(x: Array, w: Array, transpose_w: bool = False, native: bool = False) -> Array:
+def matmul_f32(x: Array, w: Array, transpose_w: bool = False,
+               native: bool | str = False) -> Array:
     """x [..., D] @ w [D, F] (or w [F, D].T) -> [..., F] float32.
 
     x is cast to w's dtype; accumulation is float32 (``preferred_element_type``). A bf16 call with
     fewer than MIN_BF16_ROWS rows is padded (a static-shape decision, made at trace time).
     ``native`` (the "cpu" backend): a bf16 weight goes to the native AVX512_BF16 matmul
-    (``ops.cpu_kernels.matmul_bf16_cpu``, 1.3-1.6x XLA's at 1-64 rows), a float32 weight to the
-    native AVX-512 one (``matmul_f32_cpu``), when this CPU has them and the shape suits them;
-    every other case stays on XLA's dot.
+    (``ops.cpu_kernels.matmul_bf16_cpu``), a float32 weight to the native AVX-512 one
+    (``matmul_f32_cpu``), when this CPU has them, the shape suits them and they are measured
+    faster at this row count (``cpu_kernels.native_matmul_wins``: on a CPU with AMX tiles XLA's
+    dot wins from 8 rows up); ``native="always"`` skips that last test (the batch-invariant mode:
+    every row count then takes the same kernel, whose rows never interact). Every other case
+    stays on XLA's dot.
     """
     lead, d = x.shape[:-1], x.shape[-1]
     rows = int(np.prod(lead, dtype=np.int64))
     x2 = x.reshape(rows, d).astype(w.dtype)
     f = w.shape[0] if transpose_w else w.shape[1]
+    if native and native != "always":
+        native = cpu_kernels.native_matmul_wins(w.dtype, rows)
     if native and w.dtype == jnp.bfloat16 and cpu_kernels.matmul_bf16_supported(
             d, f, transpose_w) and cpu_kernels.has_bf16_matmul():
         return cpu_kernels.matmul_bf16_cpu(x2, w, transpose_w).reshape(*lead, f)
@@ -121,7 +127,7 @@ class Dense(nn.Module):
     features: int
     use_bias: bool = False
     dtype: Any = jnp.float32
-    native: bool = False  # matmul_f32's native matmuls (the "cpu" backend, unsharded)
+    native: bool | str = False  # matmul_f32's native matmuls (the "cpu" backend, unsharded)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -149,13 +155,13 @@ class Embed(nn.Module):
         """tokens [B, T] -> [B, T, D] float32 (gathers rows; never converts the whole table)."""
         return jnp.take(self.embedding, tokens, axis=0).astype(jnp.float32)
 
-    def attend(self, x: Array, native: bool = False) -> Array:
+    def attend(self, x: Array, native: bool | str = False) -> Array:
         """x [B, T, D] -> logits [B, T, V] float32 (tied output projection)."""
         return matmul_f32(x, self.embedding, transpose_w=True, native=native)
 
 
 def _dense(features: int, name: str, cfg: ModelConfig, bias: bool = False,
-           native: bool = False) -> Dense:
+           native: bool | str = False) -> Dense:
     return Dense(features, use_bias=bias, dtype=cfg.jnp_dtype, native=native, name=name)
 
 
@@ -167,7 +173,7 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, meta: AttentionMetadata, cache: Any, backend: str,
-                 native_matmul: bool = True):
+                 native_matmul: bool | str = True):
         cfg = self.cfg
         b, t, _ = x.shape
         n, k, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -190,7 +196,7 @@ class MLP(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array, native: bool = False) -> Array:
+    def __call__(self, x: Array, native: bool | str = False) -> Array:
         cfg = self.cfg
         gate = _dense(cfg.ffn_dim, "gate_proj", cfg, native=native)(x)
         up = _dense(cfg.ffn_dim, "up_proj", cfg, native=native)(x)
@@ -205,7 +211,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, meta: AttentionMetadata, cache: Any, backend: str,
-                 native_matmul: bool = True):
+                 native_matmul: bool | str = True):
         cfg = self.cfg
         h = RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="attn_norm")(x)
         a, cache = Attention(cfg, self.layer, name="attn")(h, meta, cache, backend, native_matmul)
@@ -227,7 +233,8 @@ class Transformer(nn.Module):
     feature an EAGLE draft head reads.
 
     ``native_matmul``: on the "cpu" backend, weight matmuls go to the native kernels where they
-    apply (``matmul_f32``); False keeps XLA's dots (a sharded model: a custom call would gather
+    apply and are measured faster (``matmul_f32``); "always" wherever they apply (the
+    batch-invariant mode); False keeps XLA's dots (a sharded model: a custom call would gather
     its sharded weights).
     """
 
@@ -236,7 +243,7 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens: Array, meta: AttentionMetadata, cache: Any,
                  backend: str = "xla", logits_index: Array | None = None,
-                 return_hidden: bool | str = False, native_matmul: bool = True):
+                 return_hidden: bool | str = False, native_matmul: bool | str = True):
         cfg = self.cfg
         embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype, name="embed")
         x = embed(tokens)  # [B, T, D] float32: the residual stream stays f32

@@ -85,6 +85,15 @@ def suppress(logits: Array, inp: StepInput) -> Array:
         -jnp.inf, mode="drop")
 
 
+def native_matmul(cache: PagedKVCache, min_rows: int) -> bool | str:
+    """The model's ``native_matmul`` for a step: off when sharded (a custom call would gather
+    the sharded weights); "always" in the batch-invariant mode (``min_rows`` > 1), so every row
+    count runs the same row-independent kernel; else where measured faster."""
+    if cache.shardings is not None:
+        return False
+    return "always" if min_rows > 1 else True
+
+
 def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, backend: str,
             logits_index: Optional[Array] = None, min_rows: int = 1,
             return_hidden: bool = False):
@@ -97,7 +106,7 @@ def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, ba
     out = Transformer(cfg).apply({"params": params}, inp.tokens[None], inp.metadata(), cache,
                                  backend=backend, logits_index=index[None],
                                  return_hidden="all" if return_hidden else False,
-                                 native_matmul=cache.shardings is None)
+                                 native_matmul=native_matmul(cache, min_rows))
     logits, cache = out[:2]
     if cache.shardings is not None:  # vocab-split logits: gathered once, sampled locally
         logits = cache.shardings.gather_logits(logits, cfg.vocab_size)

@@ -105,10 +105,12 @@ def test_bad_shapes_and_dtypes_are_named():
 @needs_f32
 @pytest.mark.parametrize("name,dtype", [("tiny-gqa", "bfloat16"), ("tiny-mqa", "bfloat16"),
                                         ("tiny-gqa", "float32")])
-def test_model_logits_on_the_cpu_backend_match_xla_dots(name, dtype):
+def test_model_logits_on_the_cpu_backend_match_xla_dots(name, dtype, monkeypatch):
     """A model on backend "cpu" (native matmuls where the shapes suit: tiny-mqa's 16-wide k/v
     projections stay on XLA in bf16) vs "xla": same logits to bf16-activation rounding (fp32:
-    to 1e-4), same argmax."""
+    to 1e-4), same argmax. The native kernels are forced (``LLMSERVE_NATIVE_MATMUL=1``): on an
+    AMX CPU the measured rule would give these 33 rows to XLA."""
+    monkeypatch.setenv("LLMSERVE_NATIVE_MATMUL", "1")
     cfg = preset(name).replace(dtype=dtype)
     params = init_params(cfg)
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (3, 11)), jnp.int32)
@@ -130,3 +132,47 @@ def test_model_logits_on_the_cpu_backend_match_xla_dots(name, dtype):
     text = program("cpu").lower(params, tokens, meta, cache).as_text()
     assert target in text  # the native matmul is really in the program
     assert target not in program("xla").lower(params, tokens, meta, cache).as_text()
+
+
+def _routes_native(dtype, rows, native=True, transpose_w=False):
+    """Whether model.matmul_f32 puts a native custom call in the program for this case."""
+    from llmserve.model import matmul_f32
+
+    x, w = _inputs(rows, 64, 96, transpose_w, dtype=dtype)
+    text = jax.jit(lambda a, b: matmul_f32(a, b, transpose_w, native=native)).lower(
+        x, w).as_text()
+    return "llmserve_matmul_" in text
+
+
+@needs_matmul
+@needs_f32
+def test_the_model_routes_each_row_count_to_the_matmul_measured_faster(monkeypatch):
+    """With AMX tiles XLA's dot wins bf16 from AMX_XLA_MIN_ROWS rows up (fp32 stays native);
+    without them the native kernels win; "always" (batch-invariant mode) and the environment
+    override take the native kernel at every row count; "0" never."""
+    monkeypatch.delenv("LLMSERVE_NATIVE_MATMUL", raising=False)
+    bf16, f32, edge = jnp.bfloat16, jnp.float32, cpa.AMX_XLA_MIN_ROWS
+    monkeypatch.setattr(cpa, "cpu_has_amx", lambda: True)
+    assert _routes_native(bf16, 1) and _routes_native(bf16, edge - 1)
+    assert _routes_native(bf16, 1, transpose_w=True)
+    assert not _routes_native(bf16, edge) and not _routes_native(bf16, 64)
+    assert _routes_native(f32, 1) and _routes_native(f32, 64)
+    assert _routes_native(bf16, 64, native="always") and _routes_native(f32, 64, "always")
+    assert not _routes_native(bf16, 1, native=False)
+    monkeypatch.setattr(cpa, "cpu_has_amx", lambda: False)
+    assert _routes_native(bf16, 64) and _routes_native(f32, 64) and _routes_native(bf16, 1)
+    monkeypatch.setattr(cpa, "cpu_has_amx", lambda: True)
+    monkeypatch.setenv("LLMSERVE_NATIVE_MATMUL", "1")
+    assert _routes_native(bf16, 64) and _routes_native(f32, 64)
+    monkeypatch.setenv("LLMSERVE_NATIVE_MATMUL", "0")
+    assert not _routes_native(bf16, 1) and not _routes_native(bf16, 64, native="always")
+
+
+def test_cpu_has_amx_reads_the_flags(tmp_path):
+    """AMX is read from /proc/cpuinfo's flags line (a missing file: no AMX)."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("model name : x\nflags : fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert cpa.cpu_has_amx.__wrapped__(str(info))
+    info.write_text("flags : fpu avx512f avx512_bf16\n")
+    assert not cpa.cpu_has_amx.__wrapped__(str(info))
+    assert not cpa.cpu_has_amx.__wrapped__(str(tmp_path / "missing"))

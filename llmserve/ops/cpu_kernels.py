@@ -162,6 +162,41 @@ def has_bf16_matmul() -> bool:
     return _load() is None and bool(_HAS_BF16_MATMUL and _HAS_BF16_MATMUL[0])
 
 
+# From this many rows XLA's dot beats the native matmuls on a CPU with AMX tiles: XLA:CPU's
+# dot kernels use the tiles there, the native ones AVX-512 only. Measured on a 2-core AMX Xeon
+# (SmolLM2's [576, 1536] and tied [49152, 576] weights, jax 0.10.2): bf16 XLA / native time 0.86
+# and 0.39 at 8 rows, 0.23 / 0.30 at 32, 0.11 / 0.29 at 512, but 6.3 / 13.9 at one row and
+# 2.0 / 0.76 at two. AMX has no float32 tiles: fp32 XLA / native time is 0.37-1.17 by shape
+# and row count, and a whole SmolLM2 run (32 requests x 64 tokens) is 5% faster native, so
+# float32 keeps the native kernel.
+AMX_XLA_MIN_ROWS = 8
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU advertises AMX bf16 tiles (``amx_bf16`` in /proc/cpuinfo's flags)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    return any("amx_bf16" in line.split(":", 1)[-1].split()
+               for line in text.splitlines() if line.startswith("flags"))
+
+
+def native_matmul_wins(dtype, rows: int, amx: Optional[bool] = None) -> bool:
+    """Whether the native matmul is the faster one for ``rows`` rows of ``dtype`` weights here.
+
+    ``LLMSERVE_NATIVE_MATMUL``: "1" always (where it applies), "0" never (``has_*_matmul``),
+    unset or "auto" by measurement: without AMX the native kernels win (1.3-1.6x XLA's bf16
+    dots at 1-64 rows on an AVX512_BF16 Xeon); with AMX (``amx``, default: this CPU's flags) XLA
+    wins bf16 from ``AMX_XLA_MIN_ROWS`` rows up, and float32 stays native. The choice is made at
+    trace time from static shapes, so a compiled step never branches."""
+    mode = os.environ.get("LLMSERVE_NATIVE_MATMUL", "auto")
+    if mode == "1" or jnp.dtype(dtype) != jnp.bfloat16:
+        return True
+    return rows < AMX_XLA_MIN_ROWS or not (cpu_has_amx() if amx is None else amx)
+
+
 def matmul_bf16_supported(k: int, n: int, transpose_w: bool) -> bool:
     """Whether the native matmul takes x [M, k] against a weight with n output columns."""
     return k % 32 == 0 and n % (4 if transpose_w else 32) == 0 and k > 0 and n > 0
