@@ -8,8 +8,9 @@ per layer q/k/v/o (576->576/192/192, 576->576) and gate/up/down (576->1536 x2, 1
 layers, then the tied LM head (576->49152); each through ``llmserve.model.matmul_f32`` (inputs
 in the storage dtype, float32 accumulation), exactly as the model runs them. The weights are
 distinct per layer, so each call streams all of them (270 MB bf16, 540 MB fp32) as a real step
-does. Also times both dtypes through the native matmuls (``matmul_f32(..., native=True)``:
-what the "cpu" backend runs; AVX512_BF16 for bf16, AVX-512F for fp32) when this CPU has them.
+does. Also times both dtypes through the native matmuls (``matmul_f32(..., native="always")``:
+the kernels the "cpu" backend may pick; AVX512_BF16 for bf16, AVX-512F for fp32) when this CPU
+has them (the "cpu" backend takes whichever `cpu_kernels.native_matmul_wins` says is faster).
 Prints the table (ms per call, bf16/fp32 and XLA/native ratios); writes
 results/matmul/matmul_<platform>.json.
 """
@@ -57,7 +58,7 @@ def make_weights(dtype, seed: int = 0) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames="native")
-def weight_pass(weights: dict, x: jax.Array, native: bool = False) -> jax.Array:
+def weight_pass(weights: dict, x: jax.Array, native: bool | str = False) -> jax.Array:
     """x [R, D] f32 through every weight matmul of one step -> logits [R, V] f32."""
     mm = functools.partial(matmul_f32, native=native)
     for w in weights["layers"]:
@@ -67,7 +68,7 @@ def weight_pass(weights: dict, x: jax.Array, native: bool = False) -> jax.Array:
     return mm(x, weights["head"], transpose_w=True)  # tied: logits = x @ embedding.T
 
 
-def time_ms(weights: dict, rows: int, iters: int, native: bool = False) -> float:
+def time_ms(weights: dict, rows: int, iters: int, native: bool | str = False) -> float:
     """Median wall time of one weight pass at ``rows`` rows, in milliseconds."""
     x = jax.random.normal(jax.random.key(1), (rows, 576), jnp.float32)
     jax.block_until_ready(weight_pass(weights, x, native))
@@ -88,7 +89,7 @@ def main(argv):
         weights = make_weights(dtype)
         results[name] = {r: time_ms(weights, r, _ITERS.value) for r in rows}
         if native[name]:  # same weights, XLA's dot vs the native kernel
-            results[f"{name}_native"] = {r: time_ms(weights, r, _ITERS.value, True)
+            results[f"{name}_native"] = {r: time_ms(weights, r, _ITERS.value, "always")
                                          for r in rows}
         del weights
     bf, fp = results["bfloat16"], results["float32"]
