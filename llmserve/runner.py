@@ -85,13 +85,26 @@ def suppress(logits: Array, inp: StepInput) -> Array:
         -jnp.inf, mode="drop")
 
 
-def native_matmul(cache: PagedKVCache, min_rows: int) -> bool | str:
-    """The model's ``native_matmul`` for a step: off when sharded (a custom call would gather
-    the sharded weights); "always" in the batch-invariant mode (``min_rows`` > 1), so every row
-    count runs the same row-independent kernel; else where measured faster."""
+def step_rows(inp: StepInput) -> int:
+    """The row count a step's matmul kernel is chosen by: its sequences when it only decodes or
+    verifies (a verify row's 1 + R tokens then take the kernel of the same batch's decode step,
+    so speculation never changes a greedy token through rounding), else its flat tokens."""
+    first = inp.parts[0]
+    if len(inp.parts) == 1 and (first.t == 1 or inp.verify):
+        return first.block_tables.shape[0]
+    return inp.tokens.shape[0]
+
+
+def native_matmul(cache: PagedKVCache, min_rows: int, inp: StepInput, dtype) -> bool | str:
+    """The model's ``native_matmul`` for a step, one kernel for all of the step's matmuls: off
+    when sharded (a custom call would gather the sharded weights); "always" in the
+    batch-invariant mode (``min_rows`` > 1: every row count runs the same row-independent
+    kernel); else the native kernels when measured faster at ``step_rows`` (a static shape)."""
     if cache.shardings is not None:
         return False
-    return "always" if min_rows > 1 else True
+    if min_rows > 1 or cpu_kernels.native_matmul_wins(dtype, step_rows(inp)):
+        return "always"
+    return False
 
 
 def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, backend: str,
@@ -106,7 +119,7 @@ def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, ba
     out = Transformer(cfg).apply({"params": params}, inp.tokens[None], inp.metadata(), cache,
                                  backend=backend, logits_index=index[None],
                                  return_hidden="all" if return_hidden else False,
-                                 native_matmul=native_matmul(cache, min_rows))
+                                 native_matmul=native_matmul(cache, min_rows, inp, cfg.dtype))
     logits, cache = out[:2]
     if cache.shardings is not None:  # vocab-split logits: gathered once, sampled locally
         logits = cache.shardings.gather_logits(logits, cfg.vocab_size)

@@ -176,3 +176,36 @@ def test_cpu_has_amx_reads_the_flags(tmp_path):
     info.write_text("flags : fpu avx512f avx512_bf16\n")
     assert not cpa.cpu_has_amx.__wrapped__(str(info))
     assert not cpa.cpu_has_amx.__wrapped__(str(tmp_path / "missing"))
+
+
+def test_a_step_takes_one_matmul_kernel_chosen_by_its_sequences(monkeypatch):
+    """runner.native_matmul: a decode or verify step is judged by its sequences (a verify step
+    of 4 rows x 3 tokens takes the kernel of a 4-row decode step, so speculation cannot change
+    a greedy token by rounding), a step with prefill by its flat tokens; sharded: never; the
+    batch-invariant mode and fp32: always native."""
+    import types
+
+    from llmserve.batch import BatchBuilder
+    from llmserve.runner import native_matmul, step_rows
+
+    monkeypatch.delenv("LLMSERVE_NATIVE_MATMUL", raising=False)
+    monkeypatch.setattr(cpa, "cpu_has_amx", lambda: True)
+    builder = BatchBuilder(vocab_size=50, page_size=4, pages_per_seq=8, max_slots=16,
+                           decode_buckets=[1, 4, 8, 16], prefill_buckets=[(1, 8), (2, 8)],
+                           num_speculative_tokens=2)
+    plain, sharded = types.SimpleNamespace(shardings=None), types.SimpleNamespace(shardings=1)
+
+    def pick(shape, dtype="bfloat16", cache=plain, min_rows=1):
+        return native_matmul(cache, min_rows, builder.empty_batch(shape), dtype)
+
+    assert step_rows(builder.empty_batch((4, None, 3))) == 4  # 12 tokens, 4 sequences
+    assert step_rows(builder.empty_batch((1, (2, 8), 1))) == 1 + 16
+    assert pick((4, None, 1)) == "always" and pick((4, None, 3)) == "always"
+    assert pick((1, None, 1)) == "always"
+    assert pick((8, None, 1)) is False and pick((8, None, 3)) is False
+    assert pick((0, (1, 8), 1)) is False and pick((1, (1, 8), 1)) is False
+    assert pick((16, None, 1), min_rows=8) == "always"
+    assert pick((16, None, 1), dtype="float32") == "always"
+    assert pick((1, None, 1), cache=sharded) is False
+    monkeypatch.setattr(cpa, "cpu_has_amx", lambda: False)
+    assert pick((16, None, 1)) == "always" and pick((0, (2, 8), 1)) == "always"
