@@ -39,16 +39,21 @@ def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
     On such CPUs XLA's bf16 matmul with float32 accumulation beats float32 from 8 rows up
     (experiments/matmul.py). Without the flags bf16 is emulated and slower. Non-Linux: False.
     """
+    return bool(cpu_flags(cpuinfo) & set(BF16_CPU_FLAGS))
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The feature flags /proc/cpuinfo lists (empty where it cannot be read: non-Linux)."""
     try:
         with open(cpuinfo) as f:
             text = f.read()
     except OSError:
-        return False
-    flags = set()
+        return set()
+    flags: set[str] = set()
     for line in text.splitlines():
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[-1].split())
-    return any(flag in flags for flag in BF16_CPU_FLAGS)
+    return flags
 
 
 @functools.lru_cache(maxsize=None)

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llmserve.config import cpu_flags
 from llmserve.ops.paged_attention import check_paged_shapes, paged_attention_reference
 
 Array = jax.Array
@@ -175,26 +176,21 @@ AMX_XLA_MIN_ROWS = 8
 @functools.lru_cache(maxsize=None)
 def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """True when the CPU advertises AMX bf16 tiles (``amx_bf16`` in /proc/cpuinfo's flags)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return False
-    return any("amx_bf16" in line.split(":", 1)[-1].split()
-               for line in text.splitlines() if line.startswith("flags"))
+    return "amx_bf16" in cpu_flags(cpuinfo)
 
 
-def native_matmul_wins(dtype, rows: int, amx: Optional[bool] = None) -> bool:
+def native_matmul_wins(dtype, rows: int) -> bool:
     """Whether the native matmul is the faster one for ``rows`` rows of ``dtype`` weights here.
 
     ``LLMSERVE_NATIVE_MATMUL``: "1" always (where it applies), "0" never (``has_*_matmul``),
     unset or "auto" by measurement: without AMX the native kernels win (1.3-1.6x XLA's bf16
-    dots at 1-64 rows on an AVX512_BF16 Xeon); with AMX (``amx``, default: this CPU's flags) XLA
-    wins bf16 from ``AMX_XLA_MIN_ROWS`` rows up, and float32 stays native. The choice is made at
-    trace time from static shapes, so a compiled step never branches."""
+    dots at 1-64 rows on an AVX512_BF16 Xeon); with AMX (``cpu_has_amx``) XLA wins bf16 from
+    ``AMX_XLA_MIN_ROWS`` rows up, and float32 stays native. The choice is made at trace time
+    from static shapes, so a compiled step never branches."""
     mode = os.environ.get("LLMSERVE_NATIVE_MATMUL", "auto")
     if mode == "1" or jnp.dtype(dtype) != jnp.bfloat16:
         return True
-    return rows < AMX_XLA_MIN_ROWS or not (cpu_has_amx() if amx is None else amx)
+    return rows < AMX_XLA_MIN_ROWS or not cpu_has_amx()
 
 
 def matmul_bf16_supported(k: int, n: int, transpose_w: bool) -> bool:
