@@ -451,8 +451,8 @@ def default_decode_buckets(max_slots: int, dtype: str,
     ms), so the smallest bf16 bucket is 8. fp32 at 1 row is a matrix-vector product (21 ms) and
     cheaper than 2-8 rows (29-44 ms), so fp32 also keeps a 1-row bucket for the last running
     request. The native bf16 matmul (``native_bf16_matmul``: the cpu backend on an AVX512_BF16
-    CPU) is memory-bound up to 8 rows (9.1 ms at 2, 9.9 at 8) and has no slow one-row path, so
-    bf16 then keeps the 1-row bucket too (attention and sampling scale with the rows). Then
+    or AVX2 CPU) is memory-bound up to 8 rows (9.1 ms at 2, 9.9 at 8) and has no slow one-row
+    path, so bf16 then keeps the 1-row bucket too (attention and sampling scale with the rows). Then
     powers of two from 8 up to ``max_slots``.
     """
     smallest = 8 if "bfloat16" in str(dtype) and not native_bf16_matmul else 1

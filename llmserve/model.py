@@ -90,11 +90,12 @@ def matmul_f32(x: Array, w: Array, transpose_w: bool = False,
 
     x is cast to w's dtype; accumulation is float32 (``preferred_element_type``). A bf16 call with
     fewer than MIN_BF16_ROWS rows is padded (a static-shape decision, made at trace time).
-    ``native`` (the "cpu" backend): a bf16 weight goes to the native AVX512_BF16 matmul
-    (``ops.cpu_kernels.matmul_bf16_cpu``), a float32 weight to the native AVX-512 one
-    (``matmul_f32_cpu``), when this CPU has them, the shape suits them and they are measured
-    faster at this row count (``cpu_kernels.native_matmul_wins``: on a CPU with AMX tiles XLA's
-    dot wins from 8 rows up); ``native="always"`` skips that last test (the batch-invariant mode:
+    ``native`` (the "cpu" backend): a bf16 weight goes to the native bf16 matmul
+    (``ops.cpu_kernels.matmul_bf16_cpu``; AVX512_BF16 or AVX2), a float32 weight to the native
+    float32 one (``matmul_f32_cpu``), when this CPU has them, the shape suits them and they are
+    measured faster at this row count (``cpu_kernels.native_matmul_wins``: on a CPU with AMX
+    tiles XLA's dot wins bf16 from 8 rows up; on an AVX2-only CPU the native kernels win only at
+    small row counts); ``native="always"`` skips that last test (the batch-invariant mode:
     every row count then takes the same kernel, whose rows never interact). Every other case
     stays on XLA's dot.
     """

@@ -1,6 +1,6 @@
 """The native matmuls (``ops.cpu_kernels.matmul_bf16_cpu``, AVX512_BF16, and
-``matmul_f32_cpu``, AVX-512F) against XLA's dot with float32 accumulation
-(``matmul_bf16_reference``), and the model's routing to them.
+``matmul_f32_cpu``, AVX-512F; both AVX2 + FMA on CPUs without AVX-512) against XLA's dot with
+float32 accumulation (``matmul_bf16_reference``), and the model's routing to them.
 
 Tolerance: both sides accumulate in float32 in different orders (bf16 products are exact), so
 results agree to float32 rounding: max abs error <= 1e-5 x (sum over k of |x w|) per element.
@@ -19,8 +19,8 @@ from llmserve.model import Transformer, init_params
 from llmserve.ops import cpu_kernels as cpa
 
 needs_matmul = pytest.mark.skipif(not cpa.has_bf16_matmul(),
-                                  reason="no native AVX512_BF16 matmul on this CPU")
-needs_f32 = pytest.mark.skipif(not cpa.has_f32_matmul(), reason="no AVX-512 float32 matmul")
+                                  reason="no native bf16 matmul on this CPU")
+needs_f32 = pytest.mark.skipif(not cpa.has_f32_matmul(), reason="no native float32 matmul")
 # float32 shapes: K % 16, N % 16 ([K, N]; 16/32/48-column tails) or N % 4 ([N, K]).
 F32_SHAPES = [(1, 576, 576, False), (7, 48, 80, False), (13, 1536, 576, False),
               (32, 64, 112, False), (5, 576, 1028, True), (9, 16, 8, True)]
@@ -152,6 +152,7 @@ def test_the_model_routes_each_row_count_to_the_matmul_measured_faster(monkeypat
     override take the native kernel at every row count; "0" never."""
     monkeypatch.delenv("LLMSERVE_NATIVE_MATMUL", raising=False)
     bf16, f32, edge = jnp.bfloat16, jnp.float32, cpa.AMX_XLA_MIN_ROWS
+    monkeypatch.setattr(cpa, "cpu_has_avx512", lambda: True)
     monkeypatch.setattr(cpa, "cpu_has_amx", lambda: True)
     assert _routes_native(bf16, 1) and _routes_native(bf16, edge - 1)
     assert _routes_native(bf16, 1, transpose_w=True)
@@ -166,6 +167,36 @@ def test_the_model_routes_each_row_count_to_the_matmul_measured_faster(monkeypat
     assert _routes_native(bf16, 64) and _routes_native(f32, 64)
     monkeypatch.setenv("LLMSERVE_NATIVE_MATMUL", "0")
     assert not _routes_native(bf16, 1) and not _routes_native(bf16, 64, native="always")
+
+
+@needs_matmul
+@needs_f32
+def test_an_avx2_cpu_takes_the_native_kernels_only_at_small_row_counts(monkeypatch):
+    """Without AVX-512 (the AVX2 + FMA kernels): bf16 native below AVX2_BF16_MAX_ROWS rows,
+    float32 native in AVX2_F32_ROWS, XLA's dot elsewhere; "always" and "1" still force it."""
+    monkeypatch.delenv("LLMSERVE_NATIVE_MATMUL", raising=False)
+    monkeypatch.setattr(cpa, "cpu_has_avx512", lambda: False)
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    top = cpa.AVX2_BF16_MAX_ROWS
+    lo, hi = cpa.AVX2_F32_ROWS
+    assert _routes_native(bf16, 1) and _routes_native(bf16, top - 1)
+    assert _routes_native(bf16, 1, transpose_w=True)
+    assert not _routes_native(bf16, top) and not _routes_native(bf16, 64)
+    assert not _routes_native(f32, lo - 1) and _routes_native(f32, lo)
+    assert _routes_native(f32, hi - 1) and not _routes_native(f32, hi)
+    assert _routes_native(bf16, 64, native="always") and _routes_native(f32, 1, "always")
+    monkeypatch.setenv("LLMSERVE_NATIVE_MATMUL", "1")
+    assert _routes_native(bf16, 64) and _routes_native(f32, 1)
+
+
+def test_cpu_has_avx512_reads_the_flags(tmp_path):
+    """AVX-512F is read from /proc/cpuinfo's flags line (a missing file: none)."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("model name : x\nflags : fpu avx2 fma avx512f avx512bw\n")
+    assert cpa.cpu_has_avx512.__wrapped__(str(info))
+    info.write_text("flags : fpu avx2 fma\n")
+    assert not cpa.cpu_has_avx512.__wrapped__(str(info))
+    assert not cpa.cpu_has_avx512.__wrapped__(str(tmp_path / "missing"))
 
 
 def test_cpu_has_amx_reads_the_flags(tmp_path):
@@ -189,6 +220,7 @@ def test_a_step_takes_one_matmul_kernel_chosen_by_its_sequences(monkeypatch):
     from llmserve.runner import native_matmul, step_rows
 
     monkeypatch.delenv("LLMSERVE_NATIVE_MATMUL", raising=False)
+    monkeypatch.setattr(cpa, "cpu_has_avx512", lambda: True)
     monkeypatch.setattr(cpa, "cpu_has_amx", lambda: True)
     builder = BatchBuilder(vocab_size=50, page_size=4, pages_per_seq=8, max_slots=16,
                            decode_buckets=[1, 4, 8, 16], prefill_buckets=[(1, 8), (2, 8)],

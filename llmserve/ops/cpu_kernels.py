@@ -151,13 +151,14 @@ def _load() -> Optional[str]:
     return None
 
 
-_HAS_BF16_MATMUL: list = []  # filled by _load: whether the build has the AVX512_BF16 matmul
-_HAS_F32_MATMUL: list = []  # ... and the AVX-512F float32 matmul
+_HAS_BF16_MATMUL: list = []  # filled by _load: whether the build has a bf16 matmul
+_HAS_F32_MATMUL: list = []  # ... and a float32 matmul
 
 
 def has_bf16_matmul() -> bool:
     """True when the native bf16 matmul is usable here (the kernel built, and the CPU has
-    AVX512_BF16); the model then routes its bf16 weight matmuls to it on the "cpu" backend."""
+    AVX512_BF16, or AVX2 + FMA, where bf16 is widened to float32 in registers); the model then
+    routes its bf16 weight matmuls to it on the "cpu" backend where ``native_matmul_wins``."""
     if os.environ.get("LLMSERVE_NATIVE_MATMUL", "1") == "0":
         return False
     return _load() is None and bool(_HAS_BF16_MATMUL and _HAS_BF16_MATMUL[0])
@@ -179,16 +180,44 @@ def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return "amx_bf16" in cpu_flags(cpuinfo)
 
 
+# CPUs without AVX-512 (AMD Zen 2/3, older Intel) get the AVX2 + FMA kernels, which win only at
+# small row counts. Measured on a 2-core AMD EPYC (Zen 3), a whole SmolLM2 step's weight
+# matmuls streaming all weights (experiments/matmul.py, jax 0.10.2), native / XLA time:
+#   bf16: 0.88 / 0.71 / 0.69 / 0.75 at 1 / 2 / 4 / 8 rows, 1.06 at 16, 1.24 at 32, 1.7 at 64
+#         (XLA's bf16 dots are emulated there: a one-row vocabulary projection costs 71 ms, the
+#         native kernel 5.8 ms);
+#   fp32: 2.5 / 1.22 at 1 / 2 rows (XLA's matrix-vector path), 0.76 / 0.73 / 0.87 at 4 / 8 /
+#         16, 1.14 at 32, 1.7 from 64.
+AVX2_BF16_MAX_ROWS = 16  # bf16: native below this many rows
+AVX2_F32_ROWS = (4, 32)  # fp32: native for lo <= rows < hi
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_avx512(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU advertises AVX-512F (``avx512f`` in /proc/cpuinfo's flags)."""
+    return "avx512f" in cpu_flags(cpuinfo)
+
+
 def native_matmul_wins(dtype, rows: int) -> bool:
     """Whether the native matmul is the faster one for ``rows`` rows of ``dtype`` weights here.
 
     ``LLMSERVE_NATIVE_MATMUL``: "1" always (where it applies), "0" never (``has_*_matmul``),
-    unset or "auto" by measurement: without AMX the native kernels win (1.3-1.6x XLA's bf16
-    dots at 1-64 rows on an AVX512_BF16 Xeon); with AMX (``cpu_has_amx``) XLA wins bf16 from
-    ``AMX_XLA_MIN_ROWS`` rows up, and float32 stays native. The choice is made at trace time
-    from static shapes, so a compiled step never branches."""
+    unset or "auto" by measurement:
+      - AVX-512 without AMX: the native kernels win (1.3-1.6x XLA's bf16 dots at 1-64 rows on
+        an AVX512_BF16 Xeon);
+      - AMX (``cpu_has_amx``): XLA wins bf16 from ``AMX_XLA_MIN_ROWS`` rows up, float32 stays
+        native;
+      - AVX2 only (no ``cpu_has_avx512``): bf16 native below ``AVX2_BF16_MAX_ROWS`` rows,
+        float32 native in ``AVX2_F32_ROWS``, XLA elsewhere.
+    The choice is made at trace time from static shapes, so a compiled step never branches."""
     mode = os.environ.get("LLMSERVE_NATIVE_MATMUL", "auto")
-    if mode == "1" or jnp.dtype(dtype) != jnp.bfloat16:
+    if mode == "1":
+        return True
+    bf16 = jnp.dtype(dtype) == jnp.bfloat16
+    if not cpu_has_avx512():
+        lo, hi = (1, AVX2_BF16_MAX_ROWS) if bf16 else AVX2_F32_ROWS
+        return lo <= rows < hi
+    if not bf16:
         return True
     return rows < AMX_XLA_MIN_ROWS or not cpu_has_amx()
 
@@ -202,7 +231,7 @@ def matmul_bf16_supported(k: int, n: int, transpose_w: bool) -> bool:
 def matmul_bf16_cpu(x: Array, w: Array, transpose_w: bool = False) -> Array:
     """x [M, K] bf16 @ w [K, N] (or w [N, K].T when ``transpose_w``) bf16 -> [M, N] float32,
     accumulated in float32 (vdpbf16ps: each bf16 product exact). Every row's arithmetic is
-    independent of the other rows. CPU with AVX512_BF16 only (``has_bf16_matmul``); the
+    independent of the other rows. CPU with AVX512_BF16 or AVX2 + FMA (``has_bf16_matmul``); the
     derivative is the plain jnp one (for training code that reaches it)."""
     return _native_matmul(x, w, transpose_w, "bf16", jnp.bfloat16, 32, 32, has_bf16_matmul,
                           "llmserve_matmul_bf16_cpu")
@@ -235,7 +264,8 @@ def matmul_bf16_reference(x: Array, w: Array, transpose_w: bool = False) -> Arra
 
 
 def has_f32_matmul() -> bool:
-    """True when the native float32 matmul is usable here (the kernel built, AVX-512F)."""
+    """True when the native float32 matmul is usable here (the kernel built, AVX-512F or AVX2 +
+    FMA)."""
     if os.environ.get("LLMSERVE_NATIVE_MATMUL", "1") == "0":
         return False
     return _load() is None and bool(_HAS_F32_MATMUL and _HAS_F32_MATMUL[0])
@@ -249,8 +279,8 @@ def matmul_f32_supported(k: int, n: int, transpose_w: bool) -> bool:
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def matmul_f32_cpu(x: Array, w: Array, transpose_w: bool = False) -> Array:
     """x [M, K] f32 @ w [K, N] (or w [N, K].T) f32 -> [M, N] f32: FMA in k order, every row
-    independent of the others. CPU with AVX-512F only (``has_f32_matmul``); the derivative is
-    the plain jnp one."""
+    independent of the others. CPU with AVX-512F or AVX2 + FMA (``has_f32_matmul``); the
+    derivative is the plain jnp one."""
     return _native_matmul(x, w, transpose_w, "float32", jnp.float32, 16, 16, has_f32_matmul,
                           "llmserve_matmul_f32_cpu")
 
@@ -334,7 +364,7 @@ def row_logsumexp_reference(x: Array) -> Array:
 
 
 __all__ = ["paged_attention_cpu", "row_logsumexp_cpu", "row_logsumexp_reference", "available",
-           "matmul_bf16_cpu", "matmul_bf16_reference", "has_bf16_matmul",
+           "matmul_bf16_cpu", "cpu_has_avx512", "matmul_bf16_reference", "has_bf16_matmul",
            "matmul_bf16_supported", "matmul_f32_cpu", "has_f32_matmul", "matmul_f32_supported",
            "unavailable_reason", "build", "cache_dir", "NativeBuildError", "reference",
            "MAX_PAGE_SIZE"]

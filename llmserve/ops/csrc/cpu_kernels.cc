@@ -31,8 +31,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// The AVX2 + FMA matmuls (below): CPUs without AVX-512 (AMD Zen 2/3, older Intel).
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define LLMSERVE_AVX2_MATMUL 1
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -768,6 +773,124 @@ inline void GemmNKRows(const uint16_t* x, int64_t m_dim, int64_t k_dim, const ui
 }
 #endif  // __AVX512BF16__
 
+// ---- AVX2 + FMA matmuls (CPUs without AVX-512): x [M, K] @ w -> out [M, N] float32 ----
+//
+// Why: on a 2-core AMD EPYC (Zen 3, AVX2, no AVX-512) XLA:CPU's dots run SmolLM2's decode-step
+// matmuls well below the memory roof at 1-32 rows (experiments/matmul.py). One template serves
+// float32 and bf16 weights: a bf16 weight vector is widened to float32 in registers (a zero
+// extend and a 16-bit shift: exact), so bf16 weights stream half the bytes of float32 ones and
+// every product is the exact float32 product. x arrives in the weight's dtype; bf16 x rows are
+// widened once per call into a float32 scratch. Same tiling as the AVX-512 kernels, 8 lanes:
+//   w [K, N]: 6 rows x 16 columns of accumulators (12 ymm + 2 weights + 1 broadcast), one
+//     broadcast x element times two 8-column weight vectors per k;
+//   w [N, K] (the tied vocabulary projection): 2 x rows x 4 vocabulary rows, 8 dims per step,
+//     summed horizontally at the end.
+// Accumulation is float32 in k order (per lane); every row is independent of the others.
+#if defined(LLMSERVE_AVX2_MATMUL)
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p) {  // 8 bf16 -> float32 (exact)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int MR, typename WT>
+inline void GemmKNTile8(const float* x, int64_t k_dim, int64_t m0, const WT* w, int64_t n,
+                        int64_t n0, float* out) {
+  constexpr int kNV = 2;
+  __m256 acc[MR][kNV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kNV; ++v) acc[m][v] = _mm256_setzero_ps();
+  const float* xr = x + m0 * k_dim;
+  constexpr int64_t kPrefetch = 16;  // rows ahead (each row of the block is on another page)
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const WT* wr = w + k * n + n0;
+    if (m0 == 0 && k + kPrefetch < k_dim) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch * n), _MM_HINT_T0);
+    }
+    __m256 wv[kNV];
+    for (int v = 0; v < kNV; ++v) wv[v] = Load8(wr + 8 * v);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 a = _mm256_broadcast_ss(xr + m * k_dim + k);
+      for (int v = 0; v < kNV; ++v) acc[m][v] = _mm256_fmadd_ps(a, wv[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kNV; ++v) _mm256_storeu_ps(out + (m0 + m) * n + n0 + 8 * v, acc[m][v]);
+}
+
+// Columns n0..n1 (a multiple of 16) of every x row; each 16-column strip of weights stays in
+// cache while all row tiles pass over it.
+template <typename WT>
+inline void GemmKNColumns8(const float* x, int64_t m_dim, int64_t k_dim, const WT* w, int64_t n,
+                           int64_t n0, int64_t n1, float* out) {
+  constexpr int kMR = 6;
+  for (int64_t c = n0; c < n1; c += 16) {
+    int64_t m0 = 0;
+    for (; m0 + kMR <= m_dim; m0 += kMR) GemmKNTile8<kMR, WT>(x, k_dim, m0, w, n, c, out);
+    switch (m_dim - m0) {
+      case 1: GemmKNTile8<1, WT>(x, k_dim, m0, w, n, c, out); break;
+      case 2: GemmKNTile8<2, WT>(x, k_dim, m0, w, n, c, out); break;
+      case 3: GemmKNTile8<3, WT>(x, k_dim, m0, w, n, c, out); break;
+      case 4: GemmKNTile8<4, WT>(x, k_dim, m0, w, n, c, out); break;
+      case 5: GemmKNTile8<5, WT>(x, k_dim, m0, w, n, c, out); break;
+      default: break;
+    }
+  }
+}
+
+// The four lane sums of a, b, c, d as one 4-float vector.
+inline __m128 Sum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+template <int MR, typename WT>
+inline void GemmNKTile8(const float* x, int64_t k_dim, int64_t m0, const WT* w, int64_t n,
+                        int64_t n0, float* out) {
+  __m256 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < k_dim; k0 += 8) {
+    __m256 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = Load8(w + (n0 + j) * k_dim + k0);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + (m0 + m) * k_dim + k0);
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    _mm_storeu_ps(out + (m0 + m) * n + n0, Sum4x8(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+}
+
+template <typename WT>
+inline void GemmNKRows8(const float* x, int64_t m_dim, int64_t k_dim, const WT* w, int64_t n,
+                        int64_t n0, int64_t n1, float* out) {
+  int64_t m0 = 0;
+  for (; m0 + 2 <= m_dim; m0 += 2)
+    for (int64_t j = n0; j < n1; j += 4) GemmNKTile8<2, WT>(x, k_dim, m0, w, n, j, out);
+  if (m0 < m_dim)
+    for (int64_t j = n0; j < n1; j += 4) GemmNKTile8<1, WT>(x, k_dim, m0, w, n, j, out);
+}
+
+// out = x @ w for float32 x [M, K] (already widened) and WT weights; the shapes are checked.
+template <typename WT>
+void MatmulAvx2(ffi::ThreadPool& pool, const float* xp, int64_t m_dim, int64_t k_dim,
+                const WT* wp, int64_t n, bool transpose_w, float* op) {
+  constexpr int64_t kBlock = 64;  // columns per work item
+  const int64_t items = (n + kBlock - 1) / kBlock;
+  const int64_t min_items =
+      std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, m_dim * k_dim * kBlock));
+  ParallelFor(pool, items, min_items, [=](int64_t item) {
+    const int64_t n0 = item * kBlock, n1 = std::min(n, n0 + kBlock);
+    if (transpose_w) {
+      GemmNKRows8<WT>(xp, m_dim, k_dim, wp, n, n0, n1, op);
+    } else {
+      GemmKNColumns8<WT>(xp, m_dim, k_dim, wp, n, n0, n1, op);
+    }
+  });
+}
+#endif  // LLMSERVE_AVX2_MATMUL
+
 // x [M, K] bf16, w [K, N] (transpose_w = false) or [N, K] (true) bf16 -> out [M, N] float32.
 // Shapes: K % 32 == 0; N % 32 == 0 ([K, N]) or N % 4 == 0 ([N, K]). The Python side checks them
 // (and LlmserveHasBf16Matmul) before it calls.
@@ -805,9 +928,30 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
     }
   });
   return ffi::Error::Success();
+#elif defined(LLMSERVE_AVX2_MATMUL)
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("want x [M,K], w 2-D");
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("x and w must be bf16");
+  }
+  const int64_t m_dim = xd[0], k_dim = xd[1];
+  const int64_t n = transpose_w ? wd[0] : wd[1];
+  if ((transpose_w ? wd[1] : wd[0]) != k_dim || k_dim % 32 != 0 ||
+      n % (transpose_w ? 4 : 32) != 0) {
+    return ffi::Error::InvalidArgument("matmul shapes: K % 32, N % 32 ([K,N]) or N % 4 ([N,K])");
+  }
+  if (m_dim == 0 || n == 0) return ffi::Error::Success();
+  // x is small ([M, K]): widen it once here instead of once per column block.
+  const uint16_t* xh = static_cast<const uint16_t*>(x.untyped_data());
+  std::vector<float> xf(static_cast<size_t>(m_dim * k_dim));
+  for (int64_t i = 0; i < m_dim * k_dim; ++i) xf[i] = Bf16ToF32(xh[i]);
+  MatmulAvx2<uint16_t>(pool, xf.data(), m_dim, k_dim, static_cast<const uint16_t*>(w.untyped_data()),
+                       n, transpose_w, out->typed_data());
+  return ffi::Error::Success();
 #else
   (void)pool; (void)x; (void)w; (void)transpose_w; (void)out;
-  return ffi::Error::InvalidArgument("this build has no AVX512_BF16 matmul");
+  return ffi::Error::InvalidArgument("this build has no bf16 matmul (AVX512_BF16 or AVX2)");
 #endif
 }
 
@@ -934,9 +1078,23 @@ ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     }
   });
   return ffi::Error::Success();
+#elif defined(LLMSERVE_AVX2_MATMUL)
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("want x [M,K], w 2-D");
+  const int64_t m_dim = xd[0], k_dim = xd[1];
+  const int64_t n = transpose_w ? wd[0] : wd[1];
+  if ((transpose_w ? wd[1] : wd[0]) != k_dim || k_dim % 16 != 0 ||
+      n % (transpose_w ? 4 : 16) != 0) {
+    return ffi::Error::InvalidArgument("matmul shapes: K % 16, N % 16 ([K,N]) or N % 4 ([N,K])");
+  }
+  if (m_dim == 0 || n == 0) return ffi::Error::Success();
+  MatmulAvx2<float>(pool, x.typed_data(), m_dim, k_dim, w.typed_data(), n, transpose_w,
+                    out->typed_data());
+  return ffi::Error::Success();
 #else
   (void)pool; (void)x; (void)w; (void)transpose_w; (void)out;
-  return ffi::Error::InvalidArgument("this build has no AVX-512 matmul");
+  return ffi::Error::InvalidArgument("this build has no float32 matmul (AVX-512F or AVX2)");
 #endif
 }
 
@@ -1002,18 +1160,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmserveMatmulF32, MatmulF32Impl,
                                   .Attr<bool>("transpose_w")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
 
-// 1 when this build has the float32 matmul (the CPU it was built for has AVX-512F), else 0.
+// 1 when this build has the float32 matmul (the CPU it was built for has AVX-512F or AVX2 + FMA).
 extern "C" int LlmserveHasF32Matmul() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(LLMSERVE_AVX2_MATMUL)
   return 1;
 #else
   return 0;
 #endif
 }
 
-// 1 when this build has the bf16 matmul (the CPU it was built for has AVX512_BF16), else 0.
+// 1 when this build has the bf16 matmul (AVX512_BF16, or AVX2 + FMA widening bf16 to float32).
 extern "C" int LlmserveHasBf16Matmul() {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(LLMSERVE_AVX2_MATMUL)
   return 1;
 #else
   return 0;
