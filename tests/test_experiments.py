@@ -1,7 +1,7 @@
 """Experiments: every config loads, every smoke variant runs and writes its results and plot.
 
 The smoke runs are subprocesses (absl programs) writing under a temporary results folder; the
-report is then built from them. Together they take about two minutes on 2 CPU cores.
+report is then built from them. Together they take about eight minutes on 2 CPU cores.
 """
 
 import importlib.util
