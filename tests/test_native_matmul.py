@@ -72,13 +72,17 @@ def test_f32_matches_xla_dot(m, k, n, transpose_w):
 @needs_f32
 @pytest.mark.parametrize("transpose_w", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_each_row_is_bitwise_the_same_alone_and_in_a_batch(transpose_w, dtype):
-    x, w = _inputs(37, 576, 320, transpose_w, seed=1, dtype=dtype)
+@pytest.mark.parametrize("n", [320, 576])
+def test_each_row_is_bitwise_the_same_alone_and_in_a_batch(transpose_w, dtype, n):
+    # One or two rows take other code paths than 37 (AVX2: 96-column row blocks when n allows).
+    x, w = _inputs(37, 576, n, transpose_w, seed=1, dtype=dtype)
     f = jax.jit(cpa.matmul_bf16_cpu if dtype == jnp.bfloat16 else cpa.matmul_f32_cpu,
                 static_argnums=2)
     batch = np.asarray(f(x, w, transpose_w))
-    for i in (0, 5, 6, 23, 36):
+    for i in (0, 5, 6, 23, 35):
         np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w, transpose_w))[0], batch[i])
+        np.testing.assert_array_equal(np.asarray(f(x[i:i + 2], w, transpose_w)), batch[i:i + 2])
+        np.testing.assert_array_equal(np.asarray(f(x[i:i + 4], w, transpose_w)), batch[i:i + 4])
 
 
 @needs_matmul
@@ -171,22 +175,20 @@ def test_the_model_routes_each_row_count_to_the_matmul_measured_faster(monkeypat
 
 @needs_matmul
 @needs_f32
-def test_an_avx2_cpu_takes_the_native_kernels_only_at_small_row_counts(monkeypatch):
-    """Without AVX-512 (the AVX2 + FMA kernels): bf16 native below AVX2_BF16_MAX_ROWS rows,
-    float32 native in AVX2_F32_ROWS, XLA's dot elsewhere; "always" and "1" still force it."""
+def test_an_avx2_cpu_takes_native_bf16_always_and_native_fp32_at_small_row_counts(monkeypatch):
+    """Without AVX-512 (the AVX2 + FMA kernels): bf16 always native, float32 native in
+    AVX2_F32_ROWS and XLA's dot elsewhere; "always" and "1" still force it."""
     monkeypatch.delenv("LLMSERVE_NATIVE_MATMUL", raising=False)
     monkeypatch.setattr(cpa, "cpu_has_avx512", lambda: False)
     bf16, f32 = jnp.bfloat16, jnp.float32
-    top = cpa.AVX2_BF16_MAX_ROWS
     lo, hi = cpa.AVX2_F32_ROWS
-    assert _routes_native(bf16, 1) and _routes_native(bf16, top - 1)
+    assert all(_routes_native(bf16, rows) for rows in (1, 8, 64, 512))
     assert _routes_native(bf16, 1, transpose_w=True)
-    assert not _routes_native(bf16, top) and not _routes_native(bf16, 64)
     assert not _routes_native(f32, lo - 1) and _routes_native(f32, lo)
     assert _routes_native(f32, hi - 1) and not _routes_native(f32, hi)
-    assert _routes_native(bf16, 64, native="always") and _routes_native(f32, 1, "always")
+    assert _routes_native(f32, 1, "always")
     monkeypatch.setenv("LLMSERVE_NATIVE_MATMUL", "1")
-    assert _routes_native(bf16, 64) and _routes_native(f32, 1)
+    assert _routes_native(f32, 1) and _routes_native(f32, 512)
 
 
 def test_cpu_has_avx512_reads_the_flags(tmp_path):

@@ -180,16 +180,16 @@ def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return "amx_bf16" in cpu_flags(cpuinfo)
 
 
-# CPUs without AVX-512 (AMD Zen 2/3, older Intel) get the AVX2 + FMA kernels, which win only at
-# small row counts. Measured on a 2-core AMD EPYC (Zen 3), a whole SmolLM2 step's weight
-# matmuls streaming all weights (experiments/matmul.py, jax 0.10.2), native / XLA time:
-#   bf16: 0.88 / 0.71 / 0.69 / 0.75 at 1 / 2 / 4 / 8 rows, 1.06 at 16, 1.24 at 32, 1.7 at 64
-#         (XLA's bf16 dots are emulated there: a one-row vocabulary projection costs 71 ms, the
-#         native kernel 5.8 ms);
-#   fp32: 2.5 / 1.22 at 1 / 2 rows (XLA's matrix-vector path), 0.76 / 0.73 / 0.87 at 4 / 8 /
-#         16, 1.14 at 32, 1.7 from 64.
-AVX2_BF16_MAX_ROWS = 16  # bf16: native below this many rows
-AVX2_F32_ROWS = (4, 32)  # fp32: native for lo <= rows < hi
+# CPUs without AVX-512 (AMD Zen 2/3, older Intel) get the AVX2 + FMA kernels. Measured on a
+# 2-core AMD EPYC (Zen 3), a whole SmolLM2 step's weight matmuls streaming all weights
+# (``python -m experiments.matmul --rows=1,2,4,8,16,32,64,128,256,512``, jax 0.10.2), ms:
+#   bf16 XLA / native: 27.9 / 23.6 at 1 row, 63.3 / 36.6 at 8, 112.5 / 81.3 at 32, 354.5 /
+#         254.5 at 128, 1366 / 1034 at 512: native at every row count (XLA's bf16 dots are
+#         emulated there);
+#   fp32 XLA / native: 24.0 / 35.2 at 1 row (XLA's matrix-vector path), 36.3 / 32.8 at 2, 54.6
+#         / 48.5 at 8, 64.4 / 62.0 at 16, 94 / 92-96 at 32, 132.5 / 156.6 at 64, 854 / 1084
+#         at 512: native from 2 to 31 rows.
+AVX2_F32_ROWS = (2, 32)  # fp32: native for lo <= rows < hi
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,16 +207,16 @@ def native_matmul_wins(dtype, rows: int) -> bool:
         an AVX512_BF16 Xeon);
       - AMX (``cpu_has_amx``): XLA wins bf16 from ``AMX_XLA_MIN_ROWS`` rows up, float32 stays
         native;
-      - AVX2 only (no ``cpu_has_avx512``): bf16 native below ``AVX2_BF16_MAX_ROWS`` rows,
-        float32 native in ``AVX2_F32_ROWS``, XLA elsewhere.
+      - AVX2 only (no ``cpu_has_avx512``): bf16 always native, float32 native for row
+        counts in ``AVX2_F32_ROWS`` and XLA's dot elsewhere.
     The choice is made at trace time from static shapes, so a compiled step never branches."""
     mode = os.environ.get("LLMSERVE_NATIVE_MATMUL", "auto")
     if mode == "1":
         return True
     bf16 = jnp.dtype(dtype) == jnp.bfloat16
     if not cpu_has_avx512():
-        lo, hi = (1, AVX2_BF16_MAX_ROWS) if bf16 else AVX2_F32_ROWS
-        return lo <= rows < hi
+        lo, hi = AVX2_F32_ROWS
+        return bf16 or lo <= rows < hi
     if not bf16:
         return True
     return rows < AMX_XLA_MIN_ROWS or not cpu_has_amx()

@@ -782,47 +782,109 @@ inline void GemmNKRows(const uint16_t* x, int64_t m_dim, int64_t k_dim, const ui
 // every product is the exact float32 product. x arrives in the weight's dtype; bf16 x rows are
 // widened once per call into a float32 scratch. Same tiling as the AVX-512 kernels, 8 lanes:
 //   w [K, N]: 6 rows x 16 columns of accumulators (12 ymm + 2 weights + 1 broadcast), one
-//     broadcast x element times two 8-column weight vectors per k;
+//     broadcast x element times two 8-column weight vectors per k; one or two x rows instead
+//     stream 96-column blocks row by row (one contiguous weight run per k);
 //   w [N, K] (the tied vocabulary projection): 2 x rows x 4 vocabulary rows, 8 dims per step,
 //     summed horizontally at the end.
 // Accumulation is float32 in k order (per lane); every row is independent of the others.
 #if defined(LLMSERVE_AVX2_MATMUL)
+// GCC left the accumulator arrays below in memory as well as in registers (a store of every
+// accumulator on every k: half the FMA rate at 32 rows); fully unrolled loops keep them in
+// registers only (SmolLM2's fp32 layer matmuls at 32 rows: 141 -> 83 ms in a C++ harness).
+#define LLMSERVE_UNROLL _Pragma("GCC unroll 16")
+
 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 Load8(const uint16_t* p) {  // 8 bf16 -> float32 (exact)
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// Weight rows this far ahead are prefetched by the first row tile of a block: consecutive k
+// rows are n elements apart, on other 4 KiB pages, where the hardware prefetchers stop.
+constexpr int64_t kAvx2PrefetchRows = 8;
+// Up to this many x rows, each row streams a whole column block on its own (below).
+constexpr int64_t kAvx2RowBlockMaxRows = 2;
+// Columns per work item in that case: wider runs of contiguous weights per k than 64, yet
+// enough items for two threads on SmolLM2's 576-column weights (6 items).
+constexpr int64_t kAvx2RowBlockCols = 96;
+
 template <int MR, typename WT>
 inline void GemmKNTile8(const float* x, int64_t k_dim, int64_t m0, const WT* w, int64_t n,
                         int64_t n0, float* out) {
   constexpr int kNV = 2;
   __m256 acc[MR][kNV];
-  for (int m = 0; m < MR; ++m)
+  LLMSERVE_UNROLL
+  for (int m = 0; m < MR; ++m) {
+    LLMSERVE_UNROLL
     for (int v = 0; v < kNV; ++v) acc[m][v] = _mm256_setzero_ps();
+  }
   const float* xr = x + m0 * k_dim;
-  constexpr int64_t kPrefetch = 16;  // rows ahead (each row of the block is on another page)
   for (int64_t k = 0; k < k_dim; ++k) {
     const WT* wr = w + k * n + n0;
-    if (m0 == 0 && k + kPrefetch < k_dim) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch * n), _MM_HINT_T0);
+    if (m0 == 0 && k + kAvx2PrefetchRows < k_dim) {
+      const char* p = reinterpret_cast<const char*>(wr + kAvx2PrefetchRows * n);
+      if (MR < 6 && n0 % 64 == 0) {
+        // The block's only row tile (3-5 rows): fetch the whole 64-column row for the strips
+        // that follow, so memory sees one contiguous run per k instead of four.
+        for (int b = 0; b < static_cast<int>(64 * sizeof(WT)); b += 64) {
+          _mm_prefetch(p + b, _MM_HINT_T0);
+        }
+      } else if (MR == 6) {
+        _mm_prefetch(p, _MM_HINT_T0);
+      }
     }
     __m256 wv[kNV];
+    LLMSERVE_UNROLL
     for (int v = 0; v < kNV; ++v) wv[v] = Load8(wr + 8 * v);
+    LLMSERVE_UNROLL
     for (int m = 0; m < MR; ++m) {
       const __m256 a = _mm256_broadcast_ss(xr + m * k_dim + k);
+      LLMSERVE_UNROLL
       for (int v = 0; v < kNV; ++v) acc[m][v] = _mm256_fmadd_ps(a, wv[v], acc[m][v]);
     }
   }
-  for (int m = 0; m < MR; ++m)
+  LLMSERVE_UNROLL
+  for (int m = 0; m < MR; ++m) {
+    LLMSERVE_UNROLL
     for (int v = 0; v < kNV; ++v) _mm256_storeu_ps(out + (m0 + m) * n + n0 + 8 * v, acc[m][v]);
+  }
+}
+
+// x row m times columns [n0, n1) of w [K, N] (at most 256): the weights of each k are one
+// contiguous run and the accumulators live in L1. Each output is the same k-ordered chain of
+// FMAs as in GemmKNTile8, so a row's result does not depend on which path served it.
+template <typename WT>
+inline void GemmKNRowBlock8(const float* x, int64_t k_dim, int64_t m, const WT* w, int64_t n,
+                            int64_t n0, int64_t n1, float* out) {
+  alignas(64) float acc[256];
+  const int64_t width = n1 - n0;
+  for (int64_t j = 0; j < width; ++j) acc[j] = 0.0f;
+  const float* xr = x + m * k_dim;
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const WT* wr = w + k * n + n0;
+    if (m == 0 && k + kAvx2PrefetchRows < k_dim) {
+      const char* p = reinterpret_cast<const char*>(wr + kAvx2PrefetchRows * n);
+      for (int64_t b = 0; b < static_cast<int64_t>(width * sizeof(WT)); b += 64) {
+        _mm_prefetch(p + b, _MM_HINT_T0);
+      }
+    }
+    const __m256 a = _mm256_broadcast_ss(xr + k);
+    for (int64_t j = 0; j < width; j += 8) {
+      _mm256_store_ps(acc + j, _mm256_fmadd_ps(a, Load8(wr + j), _mm256_load_ps(acc + j)));
+    }
+  }
+  for (int64_t j = 0; j < width; ++j) out[m * n + n0 + j] = acc[j];
 }
 
 // Columns n0..n1 (a multiple of 16) of every x row; each 16-column strip of weights stays in
-// cache while all row tiles pass over it.
+// cache while all row tiles pass over it. One or two rows stream the block row by row instead.
 template <typename WT>
 inline void GemmKNColumns8(const float* x, int64_t m_dim, int64_t k_dim, const WT* w, int64_t n,
                            int64_t n0, int64_t n1, float* out) {
+  if (m_dim <= kAvx2RowBlockMaxRows) {
+    for (int64_t m = 0; m < m_dim; ++m) GemmKNRowBlock8<WT>(x, k_dim, m, w, n, n0, n1, out);
+    return;
+  }
   constexpr int kMR = 6;
   for (int64_t c = n0; c < n1; c += 16) {
     int64_t m0 = 0;
@@ -848,16 +910,23 @@ template <int MR, typename WT>
 inline void GemmNKTile8(const float* x, int64_t k_dim, int64_t m0, const WT* w, int64_t n,
                         int64_t n0, float* out) {
   __m256 acc[MR][4];
-  for (int m = 0; m < MR; ++m)
+  LLMSERVE_UNROLL
+  for (int m = 0; m < MR; ++m) {
+    LLMSERVE_UNROLL
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+  }
   for (int64_t k0 = 0; k0 < k_dim; k0 += 8) {
     __m256 wv[4];
+    LLMSERVE_UNROLL
     for (int j = 0; j < 4; ++j) wv[j] = Load8(w + (n0 + j) * k_dim + k0);
+    LLMSERVE_UNROLL
     for (int m = 0; m < MR; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + (m0 + m) * k_dim + k0);
+      LLMSERVE_UNROLL
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
     }
   }
+  LLMSERVE_UNROLL
   for (int m = 0; m < MR; ++m)
     _mm_storeu_ps(out + (m0 + m) * n + n0, Sum4x8(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
 }
@@ -876,12 +945,14 @@ inline void GemmNKRows8(const float* x, int64_t m_dim, int64_t k_dim, const WT* 
 template <typename WT>
 void MatmulAvx2(ffi::ThreadPool& pool, const float* xp, int64_t m_dim, int64_t k_dim,
                 const WT* wp, int64_t n, bool transpose_w, float* op) {
-  constexpr int64_t kBlock = 64;  // columns per work item
-  const int64_t items = (n + kBlock - 1) / kBlock;
+  const bool row_blocks = !transpose_w && m_dim <= kAvx2RowBlockMaxRows &&
+                          n % kAvx2RowBlockCols == 0 && n / kAvx2RowBlockCols >= 2;
+  const int64_t block = row_blocks ? kAvx2RowBlockCols : 64;  // columns per work item
+  const int64_t items = (n + block - 1) / block;
   const int64_t min_items =
-      std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, m_dim * k_dim * kBlock));
+      std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, m_dim * k_dim * block));
   ParallelFor(pool, items, min_items, [=](int64_t item) {
-    const int64_t n0 = item * kBlock, n1 = std::min(n, n0 + kBlock);
+    const int64_t n0 = item * block, n1 = std::min(n, n0 + block);
     if (transpose_w) {
       GemmNKRows8<WT>(xp, m_dim, k_dim, wp, n, n0, n1, op);
     } else {
