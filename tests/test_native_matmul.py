@@ -191,24 +191,19 @@ def test_an_avx2_cpu_takes_native_bf16_always_and_native_fp32_at_small_row_count
     assert _routes_native(f32, 1) and _routes_native(f32, 512)
 
 
-def test_cpu_has_avx512_reads_the_flags(tmp_path):
-    """AVX-512F is read from /proc/cpuinfo's flags line (a missing file: none)."""
+@pytest.mark.parametrize("reader,flags", [
+    ("cpu_has_avx512", ("fpu avx2 fma avx512f avx512bw", "fpu avx2 fma")),
+    ("cpu_has_amx", ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", "fpu avx512f avx512_bf16")),
+])
+def test_cpu_feature_readers_read_the_flags(tmp_path, reader, flags):
+    """AVX-512F and AMX are read from /proc/cpuinfo's flags line (a missing file: no)."""
+    read = getattr(cpa, reader).__wrapped__
     info = tmp_path / "cpuinfo"
-    info.write_text("model name : x\nflags : fpu avx2 fma avx512f avx512bw\n")
-    assert cpa.cpu_has_avx512.__wrapped__(str(info))
-    info.write_text("flags : fpu avx2 fma\n")
-    assert not cpa.cpu_has_avx512.__wrapped__(str(info))
-    assert not cpa.cpu_has_avx512.__wrapped__(str(tmp_path / "missing"))
-
-
-def test_cpu_has_amx_reads_the_flags(tmp_path):
-    """AMX is read from /proc/cpuinfo's flags line (a missing file: no AMX)."""
-    info = tmp_path / "cpuinfo"
-    info.write_text("model name : x\nflags : fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")
-    assert cpa.cpu_has_amx.__wrapped__(str(info))
-    info.write_text("flags : fpu avx512f avx512_bf16\n")
-    assert not cpa.cpu_has_amx.__wrapped__(str(info))
-    assert not cpa.cpu_has_amx.__wrapped__(str(tmp_path / "missing"))
+    info.write_text(f"model name : x\nflags : {flags[0]}\n")
+    assert read(str(info))
+    info.write_text(f"flags : {flags[1]}\n")
+    assert not read(str(info))
+    assert not read(str(tmp_path / "missing"))
 
 
 def test_a_step_takes_one_matmul_kernel_chosen_by_its_sequences(monkeypatch):

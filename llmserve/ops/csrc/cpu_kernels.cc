@@ -967,7 +967,7 @@ void MatmulAvx2(ffi::ThreadPool& pool, const float* xp, int64_t m_dim, int64_t k
 // (and LlmserveHasBf16Matmul) before it calls.
 ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                           bool transpose_w, ffi::Result<ffi::Buffer<ffi::F32>> out) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(LLMSERVE_AVX2_MATMUL)
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("want x [M,K], w 2-D");
@@ -980,10 +980,11 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
       n % (transpose_w ? 4 : 32) != 0) {
     return ffi::Error::InvalidArgument("matmul shapes: K % 32, N % 32 ([K,N]) or N % 4 ([N,K])");
   }
+  if (m_dim == 0 || n == 0) return ffi::Error::Success();
+#if defined(__AVX512BF16__)
   const uint16_t* xp = static_cast<const uint16_t*>(x.untyped_data());
   const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());
   float* op = out->typed_data();
-  if (m_dim == 0 || n == 0) return ffi::Error::Success();
   constexpr int64_t kBlock = 64;  // columns per work item
   const int64_t items = (n + kBlock - 1) / kBlock;
   // Enough work per helper to pay for waking it (~1 MFLOP).
@@ -998,27 +999,14 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
       GemmKNColumns<1>(xp, m_dim, k_dim, wp, n, n0, op);
     }
   });
-  return ffi::Error::Success();
-#elif defined(LLMSERVE_AVX2_MATMUL)
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("want x [M,K], w 2-D");
-  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16) {
-    return ffi::Error::InvalidArgument("x and w must be bf16");
-  }
-  const int64_t m_dim = xd[0], k_dim = xd[1];
-  const int64_t n = transpose_w ? wd[0] : wd[1];
-  if ((transpose_w ? wd[1] : wd[0]) != k_dim || k_dim % 32 != 0 ||
-      n % (transpose_w ? 4 : 32) != 0) {
-    return ffi::Error::InvalidArgument("matmul shapes: K % 32, N % 32 ([K,N]) or N % 4 ([N,K])");
-  }
-  if (m_dim == 0 || n == 0) return ffi::Error::Success();
+#else
   // x is small ([M, K]): widen it once here instead of once per column block.
   const uint16_t* xh = static_cast<const uint16_t*>(x.untyped_data());
   std::vector<float> xf(static_cast<size_t>(m_dim * k_dim));
   for (int64_t i = 0; i < m_dim * k_dim; ++i) xf[i] = Bf16ToF32(xh[i]);
   MatmulAvx2<uint16_t>(pool, xf.data(), m_dim, k_dim, static_cast<const uint16_t*>(w.untyped_data()),
                        n, transpose_w, out->typed_data());
+#endif
   return ffi::Error::Success();
 #else
   (void)pool; (void)x; (void)w; (void)transpose_w; (void)out;
@@ -1118,7 +1106,7 @@ inline void GemmNKRowsF32(const float* x, int64_t m_dim, int64_t k_dim, const fl
 // Shapes: K % 16 == 0; N % 16 == 0 ([K, N]) or N % 4 == 0 ([N, K]); checked in Python too.
 ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                          bool transpose_w, ffi::Result<ffi::Buffer<ffi::F32>> out) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(LLMSERVE_AVX2_MATMUL)
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("want x [M,K], w 2-D");
@@ -1128,10 +1116,11 @@ ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
       n % (transpose_w ? 4 : 16) != 0) {
     return ffi::Error::InvalidArgument("matmul shapes: K % 16, N % 16 ([K,N]) or N % 4 ([N,K])");
   }
+  if (m_dim == 0 || n == 0) return ffi::Error::Success();
+#if defined(__AVX512F__)
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* op = out->typed_data();
-  if (m_dim == 0 || n == 0) return ffi::Error::Success();
   constexpr int64_t kBlock = 64;
   const int64_t items = (n + kBlock - 1) / kBlock;
   const int64_t min_items = std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, m_dim * k_dim * kBlock));
@@ -1148,20 +1137,10 @@ ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
       default: GemmKNColumnsF32<1>(xp, m_dim, k_dim, wp, n, n0, op); break;
     }
   });
-  return ffi::Error::Success();
-#elif defined(LLMSERVE_AVX2_MATMUL)
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("want x [M,K], w 2-D");
-  const int64_t m_dim = xd[0], k_dim = xd[1];
-  const int64_t n = transpose_w ? wd[0] : wd[1];
-  if ((transpose_w ? wd[1] : wd[0]) != k_dim || k_dim % 16 != 0 ||
-      n % (transpose_w ? 4 : 16) != 0) {
-    return ffi::Error::InvalidArgument("matmul shapes: K % 16, N % 16 ([K,N]) or N % 4 ([N,K])");
-  }
-  if (m_dim == 0 || n == 0) return ffi::Error::Success();
+#else
   MatmulAvx2<float>(pool, x.typed_data(), m_dim, k_dim, w.typed_data(), n, transpose_w,
                     out->typed_data());
+#endif
   return ffi::Error::Success();
 #else
   (void)pool; (void)x; (void)w; (void)transpose_w; (void)out;
