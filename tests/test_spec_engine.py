@@ -37,7 +37,8 @@ def repetitive_workload(cfg, n, seed=0):
     return prompts, lens
 
 
-@pytest.mark.parametrize("method,k", [("ngram", 1), ("ngram", 3), ("draft", 2), ("draft", 6)])
+# The extremes of K per method (ngram 3 and draft 2 added 70 s of CI and no other path).
+@pytest.mark.parametrize("method,k", [("ngram", 1), ("draft", 6)])
 def test_greedy_identical_with_speculation(tiny, method, k):
     cfg, params = tiny
     prompts, lens = repetitive_workload(cfg, 16, seed=k)
@@ -78,7 +79,8 @@ def test_rejected_drafts_leak_no_pages_and_stop_inside_run(tiny):
     full = plain[2].outputs[0].token_ids
     stop = full[5]
     first = full.index(stop)
-    eng2 = make_engine(cfg, params, speculative_config={
+    # The same page count as ``eng``: its step programs come from the compilation cache.
+    eng2 = make_engine(cfg, params, num_pages=40, speculative_config={
         "method": "draft", "model": (cfg, params), "num_speculative_tokens": 4,
         "adaptive": False})
     out = run_all(eng2, [prompts[2]], [SamplingParams(temperature=0, max_tokens=17,
