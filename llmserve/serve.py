@@ -31,6 +31,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_model_len", 2048, "Longest prompt + completion, in tokens.")
     flags.DEFINE_integer("max_num_seqs", 32, "Sequences decoded together (slots).")
     flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget of one step.")
+    flags.DEFINE_bool("prefill_first", False,
+                      "Run prefill-only steps while a burst of waiting requests fits the free "
+                      "slots (offline throughput); off: decode rows always share the step "
+                      "(steadier inter-token latency).")
     flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
     flags.DEFINE_integer("num_pages", None, "KV pages (default: each slot fits max_model_len).")
     flags.DEFINE_bool("enable_prefix_caching", True, "Reuse KV pages of shared prompt prefixes.")
@@ -61,7 +65,7 @@ def build_app():
               num_pages=FLAGS.num_pages, backend=FLAGS.backend,
               enable_prefix_caching=FLAGS.enable_prefix_caching,
               max_num_batched_tokens=FLAGS.max_num_batched_tokens, seed=FLAGS.seed,
-              max_logprobs=FLAGS.max_logprobs)
+              max_logprobs=FLAGS.max_logprobs, prefill_first=FLAGS.prefill_first)
     name = FLAGS.served_model_name or default_model_name(FLAGS.model)
     app_ = create_app(llm, model_name=name, api_key=FLAGS.api_key,
                       max_waiting=FLAGS.max_waiting)
