@@ -7,13 +7,13 @@ pages run out it preempts the newest running sequence by recompute (its pages ar
 goes back to the front of the queue; nothing is ever dropped). The ``static`` policy admits a
 new batch only when every slot is free, for ablations.
 
-Prefill first (continuous policy, ``prefill_first=True``): while every waiting request fits the
-free slots and the outstanding prompt tokens need more than one step's budget, a step carries
-prefill chunks only, as static batching would. Then no request needs a slot that decoding could
-free sooner, so decode rows in those steps buy nothing for throughput: the batch is done when its
-last-admitted request is, and prefill-only steps admit it soonest. When all requests arrive at
-once and fit (the 32-prompt workload), the two policies then run the same steps; with a queue
-longer than the free slots, or a burst that fits one step, decode rows ride along as before.
+Prefill first (continuous policy, ``prefill_first=True``): once every waiting request fits the
+free slots and the outstanding prompts need more than one step, steps carry prefill chunks only
+until every prompt is computed, as static batching's would. Then no request needs a slot that
+decoding could free sooner, so decode rows in those steps buy nothing for throughput: the batch
+is done when its last-admitted request is, and prefill-only steps admit it soonest. When all
+requests arrive at once and fit (the 32-prompt workload), the two policies run the same steps;
+with a queue longer than the free slots, or a burst that fits one step, decode rows ride along.
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.free_slots = list(range(max_slots - 1, -1, -1))
         self.batch_open = True  # static policy: still admitting and prefilling the batch
+        self.forming = False  # continuous, prefill_first: a batch is forming (prefill only)
 
     # ------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
@@ -175,6 +176,7 @@ class Scheduler:
             plan = self._prefill_only(copies)
             if plan is not None:
                 return plan
+            self.forming = False
         decode = self._reserve_decode(copies, preempted, lookahead, max_len)
         budget = self.budget - len(decode)
         prefill: list[PrefillChunk] = []
@@ -206,13 +208,18 @@ class Scheduler:
         return plan
 
     def _batch_forming(self) -> bool:
-        """The prefill-first rule: every waiting request fits the free slots, and the prompt
-        tokens still to compute (waiting and partly prefilled) exceed one step's budget."""
-        if not self.waiting or len(self.waiting) > len(self.free_slots):
-            return False
-        pending = sum(s.num_tokens - s.num_computed for s in self.waiting)
-        pending += sum(s.num_tokens - s.num_computed for s in self.running if s.in_prefill)
-        return pending > self.budget
+        """The prefill-first rule. A batch starts forming when every waiting request fits the
+        free slots and the prompts still to compute (waiting and partly prefilled) need more
+        than one step (more tokens than the budget, or more chunks than a step carries); it
+        keeps forming, as static batching's does, until a step finds nothing left to prefill,
+        or until more requests wait than slots are free."""
+        if self.waiting and len(self.waiting) > len(self.free_slots):
+            self.forming = False
+        elif not self.forming and self.waiting:
+            todo = list(self.waiting) + [s for s in self.running if s.in_prefill]
+            pending = sum(s.num_tokens - s.num_computed for s in todo)
+            self.forming = pending > self.budget or len(todo) > self.max_prefill_rows
+        return self.forming
 
     def _prefill_only(self, copies) -> Plan | None:
         """A step of prompt chunks only: running prefills first, then admissions (None: none)."""

@@ -118,12 +118,21 @@ def _plans(policy: str, prompt_lens: list[int], max_slots: int, prefill_first: b
     return steps
 
 
-def test_prefill_first_runs_static_batchings_steps_when_every_request_fits():
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 30), min_size=1, max_size=8), spare=st.integers(0, 3),
+       new_tokens=st.integers(1, 6))
+def test_prefill_first_runs_static_batchings_steps_when_every_request_fits(lens, spare,
+                                                                           new_tokens):
     """All requests at once, all fitting the slots: continuous plans the very steps static does
     (prefill-only steps, then decode), so it is never slower than static there."""
+    slots = len(lens) + spare
+    assert (_plans("continuous", lens, slots, new_tokens=new_tokens)
+            == _plans("static", lens, slots, new_tokens=new_tokens))
+
+
+def test_without_prefill_first_decode_joins_the_prompt_steps():
     lens = [7, 9, 5, 11, 6, 8]
     cont = _plans("continuous", lens, max_slots=6)
-    assert cont == _plans("static", lens, max_slots=6)
     # Without the rule, decode rows join the prompt steps, and the plan differs.
     mixed = _plans("continuous", lens, max_slots=6, prefill_first=False)
     assert any(d and p for d, p in mixed) and mixed != cont

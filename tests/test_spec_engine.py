@@ -360,10 +360,13 @@ def test_eagle_drafts_in_the_engine_equal_the_training_forward(tiny):
     table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
     greedy = SamplingArrays.from_lists([dict(temperature=0.0)])
     chains = []
-    for ids, d in seen:
+    feats_host = np.asarray(feats)
+    for ids, d in seen:  # prefixes built on the host: one shape, no eager op per length
         n = len(ids)
-        f = jnp.zeros((1, t, cfg.d_model)).at[:, :n].set(feats[:, :n])
-        x = jnp.zeros((1, t), jnp.int32).at[:, :n].set(jnp.asarray([ids]))
+        f = np.zeros((1, t, cfg.d_model), feats_host.dtype)
+        f[:, :n] = feats_host[:, :n]
+        x = np.zeros((1, t), np.int32)
+        x[0, :n] = ids
         out, _ = eagle.eagle_propose(head, params["embed"], params["final_norm"], vocab_map,
                                      eagle.create_cache(ecfg, pages + 1, eng.config.page_size),
                                      f, x, jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32),
