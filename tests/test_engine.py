@@ -61,6 +61,26 @@ def test_greedy_matches_reference_under_continuous_batching(tiny):
     assert eng.blocks.all_free()
 
 
+def test_a_burst_that_fits_the_slots_runs_static_batchings_steps(tiny):
+    """Every request at once and all fitting the slots: continuous (prefill first) runs the
+    very steps static batching runs, so it is never slower there; the tokens are the
+    reference's either way (and mixing decode into the prompt steps is the ablation)."""
+    cfg, params = tiny
+    prompts, lens = random_workload(cfg, 8, seed=4)
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    runs = {}
+    for name, kw in [("continuous", {}), ("static", {"scheduling": "static"}),
+                     ("mixed", {"prefill_first": False})]:
+        eng = make_engine(cfg, params, **kw)
+        outs = run_all(eng, prompts, sps)
+        runs[name] = ([o.outputs[0].token_ids for o in outs], dict(eng.stats))
+    want = generate_reference(params, cfg, prompts, max(lens))
+    assert runs["continuous"][0] == [w[:n] for n, w in zip(lens, want)]
+    assert runs["continuous"] == runs["static"]
+    assert runs["continuous"][1].get("mixed_steps", 0) == 0
+    assert runs["mixed"][0] == runs["continuous"][0] and runs["mixed"][1]["mixed_steps"] > 0
+
+
 def test_block_packed_prefill_matches_reference(tiny):
     """Prefill parts of 4-token blocks: a chunk spans several rows and chunks of different
     lengths pack into one part beside decode rows; greedy tokens equal the reference loop's
