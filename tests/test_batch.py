@@ -86,9 +86,11 @@ def test_default_decode_buckets_follow_the_measured_matmul_costs():
     native matmul (no slow one-row path), keep a 1-row bucket for the last running request."""
     from llmserve.batch import default_decode_buckets
 
-    assert default_decode_buckets(32, "bfloat16") == [8, 16, 32]
-    assert default_decode_buckets(32, "bfloat16", native_bf16_matmul=True) == [1, 8, 16, 32]
-    assert default_decode_buckets(32, "float32") == [1, 8, 16, 32]
+    assert default_decode_buckets(32, "bfloat16") == [8, 16, 24, 32]
+    assert default_decode_buckets(32, "bfloat16", native_bf16_matmul=True) == [1, 8, 16, 24, 32]
+    assert default_decode_buckets(32, "float32") == [1, 8, 16, 24, 32]
+    assert default_decode_buckets(16, "float32") == [1, 8, 16]
+    assert default_decode_buckets(100, "float32") == [1, 8, 16, 24, 32, 48, 64, 96, 100]
     assert default_decode_buckets(4, "bfloat16") == [4]
 
 

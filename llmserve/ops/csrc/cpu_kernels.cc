@@ -566,6 +566,16 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t total, int64_t min_per_thread, F
   while (state->done.load() < total) std::this_thread::yield();
 }
 
+// Work items (column blocks of `block` columns over k) a helper thread must get to pay for
+// waking it (~1 MFLOP). A block's weights stream from memory whatever the row count, so a call
+// with few rows costs at least what 8 rows' FMAs would: counting its FMAs alone left 1-row
+// layer matmuls on one thread, half the memory bandwidth of two (measured: SmolLM2 fp32 at
+// one row 42 ms native vs 22 ms XLA).
+inline int64_t MatmulMinItems(int64_t m_dim, int64_t k_dim, int64_t block) {
+  const int64_t work = std::max<int64_t>(m_dim, 8) * k_dim * block;
+  return std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, work));
+}
+
 template <typename QT, typename PT>
 void Run(ffi::ThreadPool& pool, const Dims& d, const void* q, const void* kp, const void* vp,
          const int32_t* tables, const int32_t* q_start, const int32_t* lengths, void* out) {
@@ -949,8 +959,7 @@ void MatmulAvx2(ffi::ThreadPool& pool, const float* xp, int64_t m_dim, int64_t k
                           n % kAvx2RowBlockCols == 0 && n / kAvx2RowBlockCols >= 2;
   const int64_t block = row_blocks ? kAvx2RowBlockCols : 64;  // columns per work item
   const int64_t items = (n + block - 1) / block;
-  const int64_t min_items =
-      std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, m_dim * k_dim * block));
+  const int64_t min_items = MatmulMinItems(m_dim, k_dim, block);
   ParallelFor(pool, items, min_items, [=](int64_t item) {
     const int64_t n0 = item * block, n1 = std::min(n, n0 + block);
     if (transpose_w) {
@@ -987,8 +996,7 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   float* op = out->typed_data();
   constexpr int64_t kBlock = 64;  // columns per work item
   const int64_t items = (n + kBlock - 1) / kBlock;
-  // Enough work per helper to pay for waking it (~1 MFLOP).
-  const int64_t min_items = std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, m_dim * k_dim * kBlock));
+  const int64_t min_items = MatmulMinItems(m_dim, k_dim, kBlock);
   ParallelFor(pool, items, min_items, [=](int64_t item) {
     const int64_t n0 = item * kBlock, n1 = std::min(n, n0 + kBlock);
     if (transpose_w) {
@@ -1123,7 +1131,7 @@ ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   float* op = out->typed_data();
   constexpr int64_t kBlock = 64;
   const int64_t items = (n + kBlock - 1) / kBlock;
-  const int64_t min_items = std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, m_dim * k_dim * kBlock));
+  const int64_t min_items = MatmulMinItems(m_dim, k_dim, kBlock);
   ParallelFor(pool, items, min_items, [=](int64_t item) {
     const int64_t n0 = item * kBlock, n1 = std::min(n, n0 + kBlock);
     if (transpose_w) {
