@@ -156,6 +156,7 @@ def tiny_llm(**kw):
     (dict(gpu_memory_utilization=NAN), ValueError, "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=0.5, num_pages=1000), ValueError, "at most one"),
     (dict(scheduling="fifo"), ValueError, "scheduling"),
+    (dict(prefill_first="yes"), TypeError, "prefill_first"),
     (dict(backend="cuda"), ValueError, "unknown attention backend"),
     (dict(backend="pallas"), ValueError, "pallas_interpret"),
     (dict(speculative_model="[ngram]"), ValueError, "go together"),

@@ -571,12 +571,37 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t total, int64_t min_per_thread, F
 // with few rows costs at least what 8 rows' FMAs would: counting its FMAs alone left 1-row
 // layer matmuls on one thread, half the memory bandwidth of two (measured: SmolLM2 fp32 at
 // one row 42 ms native vs 22 ms XLA).
-// The matmuls' tall tiles (up to 12 rows each) serve calls of 7 to this many rows.
-constexpr int64_t kTallMaxRows = 24;
-
 inline int64_t MatmulMinItems(int64_t m_dim, int64_t k_dim, int64_t block) {
   const int64_t work = std::max<int64_t>(m_dim, 8) * k_dim * block;
   return std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, work));
+}
+
+// The [K, N] matmuls' tall tiles serve calls of 7 to this many rows: 7-24 rows (a verify step
+// of 2-4 rows x (1 + R) tokens, a small decode batch) go in tiles of up to 12 rows by 32
+// columns (24 accumulators), so a block's weights pass through the registers once per 12 rows
+// instead of once per 6 (and stream from memory once for up to 12 rows). Same per-row
+// arithmetic as the 6-row tiles.
+constexpr int64_t kTallMaxRows = 24;
+
+// Calls tile(std::integral_constant<int, MR>, m0) for rows m0.. in tall tiles of MR = 7-12
+// rows while at least 7 remain (none outside 7..kTallMaxRows); returns the first row not done.
+template <typename F>
+inline int64_t TallRows(int64_t m_dim, F&& tile) {
+  if (m_dim <= 6 || m_dim > kTallMaxRows) return 0;
+  int64_t m0 = 0;
+  while (m_dim - m0 >= 7) {
+    const int64_t mr = std::min<int64_t>(12, m_dim - m0);
+    switch (mr) {
+      case 7: tile(std::integral_constant<int, 7>(), m0); break;
+      case 8: tile(std::integral_constant<int, 8>(), m0); break;
+      case 9: tile(std::integral_constant<int, 9>(), m0); break;
+      case 10: tile(std::integral_constant<int, 10>(), m0); break;
+      case 11: tile(std::integral_constant<int, 11>(), m0); break;
+      default: tile(std::integral_constant<int, 12>(), m0); break;
+    }
+    m0 += mr;
+  }
+  return m0;
 }
 
 template <typename QT, typename PT>
@@ -727,43 +752,20 @@ inline void GemmKNTile(const uint16_t* x, int64_t k_dim, int64_t m0, const uint1
   }
 }
 
-// 7-24 rows (a verify step of 2-4 rows x (1 + R) tokens, a small decode batch): tiles of up to
-// 12 rows by 32 columns (24 accumulators), so the block's weights pass through the registers
-// once per 12 rows instead of once per 6 (and stream from memory once for up to 12 rows).
-// Same per-row arithmetic as the 6-row tiles.
-
+// Tall tiles (see kTallMaxRows): columns n0..n0 + cols of rows m0..m0 + MR.
 template <int MR>
 inline void GemmKNTall(const uint16_t* x, int64_t k_dim, int64_t m0, const uint16_t* w,
                        int64_t n, int64_t n0, int64_t cols, float* out) {
   for (int64_t c = 0; c < cols; c += 32) GemmKNTile<MR, 1>(x, k_dim, m0, w, n, n0 + c, out);
 }
 
-// Rows m0.. in tall tiles while at least 7 remain; returns the first row not done.
-inline int64_t GemmKNTallRows(const uint16_t* x, int64_t m_dim, int64_t k_dim,
-                              const uint16_t* w, int64_t n, int64_t n0, int64_t cols,
-                              float* out) {
-  int64_t m0 = 0;
-  if (m_dim <= 6 || m_dim > kTallMaxRows) return 0;
-  while (m_dim - m0 >= 7) {
-    const int64_t mr = std::min<int64_t>(12, m_dim - m0);
-    switch (mr) {
-      case 7: GemmKNTall<7>(x, k_dim, m0, w, n, n0, cols, out); break;
-      case 8: GemmKNTall<8>(x, k_dim, m0, w, n, n0, cols, out); break;
-      case 9: GemmKNTall<9>(x, k_dim, m0, w, n, n0, cols, out); break;
-      case 10: GemmKNTall<10>(x, k_dim, m0, w, n, n0, cols, out); break;
-      case 11: GemmKNTall<11>(x, k_dim, m0, w, n, n0, cols, out); break;
-      default: GemmKNTall<12>(x, k_dim, m0, w, n, n0, cols, out); break;
-    }
-    m0 += mr;
-  }
-  return m0;
-}
-
 template <int NV>
 inline void GemmKNColumns(const uint16_t* x, int64_t m_dim, int64_t k_dim, const uint16_t* w,
                           int64_t n, int64_t n0, float* out) {
   constexpr int kMR = 6;
-  int64_t m0 = GemmKNTallRows(x, m_dim, k_dim, w, n, n0, 32 * NV, out);
+  int64_t m0 = TallRows(m_dim, [&](auto mr, int64_t r0) {
+    GemmKNTall<decltype(mr)::value>(x, k_dim, r0, w, n, n0, 32 * NV, out);
+  });
   for (; m0 + kMR <= m_dim; m0 += kMR) GemmKNTile<kMR, NV>(x, k_dim, m0, w, n, n0, out);
   switch (m_dim - m0) {
     case 1: GemmKNTile<1, NV>(x, k_dim, m0, w, n, n0, out); break;
@@ -1088,7 +1090,7 @@ inline void GemmKNTileF32(const float* x, int64_t k_dim, int64_t m0, const float
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + (m0 + m) * n + n0 + 16 * v, acc[m][v]);
 }
 
-// 7-24 rows: tiles of up to 12 rows by 32 columns (see GemmKNTall).
+// Tall tiles (see kTallMaxRows): the block's columns of rows m0..m0 + MR.
 template <int MR, int NV>
 inline void GemmKNTallF32(const float* x, int64_t k_dim, int64_t m0, const float* w, int64_t n,
                           int64_t n0, float* out) {
@@ -1098,30 +1100,12 @@ inline void GemmKNTallF32(const float* x, int64_t k_dim, int64_t m0, const float
 }
 
 template <int NV>
-inline int64_t GemmKNTallRowsF32(const float* x, int64_t m_dim, int64_t k_dim, const float* w,
-                                 int64_t n, int64_t n0, float* out) {
-  int64_t m0 = 0;
-  if (m_dim <= 6 || m_dim > kTallMaxRows) return 0;
-  while (m_dim - m0 >= 7) {
-    const int64_t mr = std::min<int64_t>(12, m_dim - m0);
-    switch (mr) {
-      case 7: GemmKNTallF32<7, NV>(x, k_dim, m0, w, n, n0, out); break;
-      case 8: GemmKNTallF32<8, NV>(x, k_dim, m0, w, n, n0, out); break;
-      case 9: GemmKNTallF32<9, NV>(x, k_dim, m0, w, n, n0, out); break;
-      case 10: GemmKNTallF32<10, NV>(x, k_dim, m0, w, n, n0, out); break;
-      case 11: GemmKNTallF32<11, NV>(x, k_dim, m0, w, n, n0, out); break;
-      default: GemmKNTallF32<12, NV>(x, k_dim, m0, w, n, n0, out); break;
-    }
-    m0 += mr;
-  }
-  return m0;
-}
-
-template <int NV>
 inline void GemmKNColumnsF32(const float* x, int64_t m_dim, int64_t k_dim, const float* w,
                              int64_t n, int64_t n0, float* out) {
   constexpr int kMR = 6;
-  int64_t m0 = GemmKNTallRowsF32<NV>(x, m_dim, k_dim, w, n, n0, out);
+  int64_t m0 = TallRows(m_dim, [&](auto mr, int64_t r0) {
+    GemmKNTallF32<decltype(mr)::value, NV>(x, k_dim, r0, w, n, n0, out);
+  });
   for (; m0 + kMR <= m_dim; m0 += kMR) GemmKNTileF32<kMR, NV>(x, k_dim, m0, w, n, n0, out);
   switch (m_dim - m0) {
     case 1: GemmKNTileF32<1, NV>(x, k_dim, m0, w, n, n0, out); break;
