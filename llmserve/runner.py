@@ -137,7 +137,7 @@ def _top_logprobs(logits: Array, num_logprobs: int, fixed_order: bool = False,
         return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
 
     def top(x):
-        vals, ids = jax.lax.top_k(x, num_logprobs)
+        vals, ids = sampling.top_k(x, num_logprobs)
         lse = sampling.logsumexp(x.reshape(-1, x.shape[-1]), fixed_order)
         return ids.astype(jnp.int32), vals - lse.reshape(x.shape[:-1])[..., None]
 

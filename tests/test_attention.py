@@ -261,6 +261,22 @@ def test_native_kernel_is_batch_invariant(dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("h", [32, 64, 128])
+def test_native_kernel_verify_rows_equal_decode_rows(dtype, h):
+    """A query block of T = 5 tokens (15 rows per kv head: several row groups sharing each
+    page) gives, for every token, bitwise the output of that token alone as a decode query at
+    its position: a row's arithmetic does not depend on the rows grouped with it."""
+    case = ("verify_groups", 3, 5, 9, 3, h, 16, 6, [90, 5, 47], None)
+    q, kp, vp, tables, q_start, lengths = paged_inputs(case, dtype)
+    f = jax.jit(cpa.paged_attention_cpu)
+    block = np.asarray(f(q, kp, vp, tables, q_start, lengths).astype(jnp.float32))
+    for t in range(5):
+        one = f(q[:, t:t + 1], kp, vp, tables, q_start + t, q_start + t + 1)
+        np.testing.assert_array_equal(np.asarray(one.astype(jnp.float32))[:, 0], block[:, t])
+
+
+@needs_native
 def test_native_kernel_rejects_pages_over_64_and_the_dispatcher_avoids_it():
     """Pages of 128 tokens: the kernel says why it refuses; the "cpu" backend takes the XLA
     path instead and still matches the reference."""

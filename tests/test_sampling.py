@@ -390,3 +390,26 @@ def test_fixed_order_logsumexp_matches_jax_and_is_row_invariant():
     fused = jax.jit(lambda a: sampling.logsumexp(a.reshape(11, 3, -1).reshape(33, -1) * 1.0,
                                                  fixed_order=True) + 0.0)(x)
     assert alone[0] == got[7] == np.asarray(fused)[7]
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "few_finite"])
+@pytest.mark.parametrize("shape", [(10, 49152), (2, 5, 49152), (3, 4096), (2, 1000)])
+def test_top_k_equals_lax_top_k(kind, shape):
+    """The two-stage top-k (block maxima, then the best blocks' entries) returns exactly
+    jax.lax.top_k's values and indices: descending, equal values in index order (many ties:
+    values from 7 integers), rows with only a few finite entries, and a vocabulary that is not
+    a multiple of the block (the direct path)."""
+    rng = np.random.default_rng(len(shape) + shape[-1])
+    if kind == "normal":
+        x = rng.standard_normal(shape).astype(np.float32)
+    elif kind == "ties":
+        x = rng.integers(0, 7, shape).astype(np.float32)
+    else:
+        x = np.full(shape, -np.inf, np.float32)
+        x[..., rng.integers(0, shape[-1], 3)] = rng.standard_normal(3)
+    for k in (1, 2, 5, 20):
+        vals, ids = jax.jit(sampling.top_k, static_argnums=1)(jnp.asarray(x), k)
+        want_vals, want_ids = jax.lax.top_k(jnp.asarray(x), k)
+        np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+        assert ids.dtype == jnp.int32

@@ -46,6 +46,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// Forced inlining: the attention's per-page helpers keep a row group's accumulators in registers
+// only when inlined into their caller's loop.
+#define LLMSERVE_INLINE inline __attribute__((always_inline))
+#define LLMSERVE_LAMBDA_INLINE __attribute__((always_inline))
+
 constexpr float kMinusInf = -1e30f;  // finite: exp(m_old - m_new) stays defined
 
 inline float Bf16ToF32(uint16_t b) {
@@ -190,12 +195,14 @@ struct Dims {
 // Per-thread scratch: the item's query rows, accumulators and one page of K and V in float32.
 struct Scratch {
   std::vector<float> q, acc, mx, den, kb, vb, sc;
+  std::vector<int64_t> pos;
   void Reserve(const Dims& d) {
     const int64_t rows = d.t * d.groups, rows4 = (rows + 3) / 4 * 4;
     q.resize(rows4 * d.h);
     acc.resize(rows * d.h);
     mx.resize(rows);
     den.resize(rows);
+    pos.resize(rows);
     kb.resize(d.page_size * d.h);
     vb.resize(d.page_size * d.h);
     sc.resize(rows4 * d.page_size);
@@ -381,117 +388,139 @@ constexpr bool kBf16Dot = true;  // vdpbf16ps: bf16 pairs multiplied exactly, su
 constexpr bool kBf16Dot = false;
 #endif
 
-// Rows [r0, r0 + NR) of item (b, k). q_scaled: those rows' queries times the scale, [NR, H]
-// float32; when q and the pages are both bf16 (and the CPU has AVX512_BF16), the rows' raw bf16
-// queries instead (the scale is applied to the scores: no extra rounding of q).
-template <typename QT, typename PT, int HV, int NR>
-void RowsAvx512(const Dims& d, int64_t b, int64_t k, int64_t r0, const float* q_scaled,
-                const PT* kp, const PT* vp, const int32_t* tables, int64_t qs, int64_t len,
-                int64_t kv_end, QT* out, float* kt, float* pbuf) {
+// The bf16-pairs path's K block of one page: kt2 [H/2, L] 32-bit bf16 pairs (keys contiguous),
+// zeros past the page's nk keys (masked later). Built once per page for every row group.
+template <int HV>
+LLMSERVE_INLINE void PreparePairs(const uint16_t* kpage, int64_t nk, uint32_t* kt2) {
+  constexpr int64_t H = 16 * HV, L = 16;
+  if (nk == L) {
+    TransposePairs16(kpage, H, kt2);
+    return;
+  }
+  for (int64_t i = 0; i < L; ++i) {
+    const uint16_t* kr = kpage + i * H;
+    for (int64_t e = 0; e < H / 2; ++e) {
+      uint32_t pair = 0;
+      if (i < nk) std::memcpy(&pair, kr + 2 * e, sizeof(pair));
+      kt2[e * L + i] = pair;
+    }
+  }
+}
+
+// Calls page(j, base, nk) for each page j of item (b, k) up to kv_end: base is the page's
+// offset in the pages, nk <= L its keys (j*L .. j*L + nk). Before each call it prefetches page
+// j + 1 (pages are scattered in memory) and, on the bf16-pairs path, builds the page's K block
+// kt2 (PreparePairs), once for every row group.
+template <typename QT, typename PT, int HV, typename F>
+LLMSERVE_INLINE void ForEachPage(const Dims& d, int64_t b, int64_t k, int64_t kv_end,
+                                 const int32_t* tables, const PT* kp, const PT* vp,
+                                 uint32_t* kt2, F&& page) {
   constexpr int64_t H = 16 * HV, L = 16;
   constexpr bool kPairs = kBf16Dot && std::is_same<QT, uint16_t>::value &&
                           std::is_same<PT, uint16_t>::value;
-  const int64_t g = d.groups;
-  __m512 acc[NR][HV];
-  float m[NR], den[NR];
-  int64_t q_pos[NR];
-  for (int r = 0; r < NR; ++r) {
-    for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_setzero_ps();
-    m[r] = kMinusInf;
-    den[r] = 0.0f;
-    q_pos[r] = qs + (r0 + r) / g;
-  }
+  auto offset = [&](int64_t i) {
+    int64_t p = tables[b * d.m + i];
+    p = std::min<int64_t>(std::max<int64_t>(p, 0), d.pages - 1);  // never read outside
+    return ((k * d.pages + p) * L) * H;
+  };
   const int64_t num_pages = kv_end > 0 ? (kv_end + L - 1) / L : 0;
   for (int64_t j = 0; j < num_pages; ++j) {
-    int64_t page = tables[b * d.m + j];
-    page = std::min<int64_t>(std::max<int64_t>(page, 0), d.pages - 1);  // never read outside
-    const int64_t base = ((k * d.pages + page) * L) * H;
+    const int64_t base = offset(j);
     const int64_t nk = std::min<int64_t>(L, kv_end - j * L);
-    if (j + 1 < num_pages) {  // pages are scattered: fetch the next one while this one computes
-      int64_t next = tables[b * d.m + j + 1];
-      next = std::min<int64_t>(std::max<int64_t>(next, 0), d.pages - 1);
-      const char* nk_ptr = reinterpret_cast<const char*>(kp + ((k * d.pages + next) * L) * H);
-      const char* nv_ptr = reinterpret_cast<const char*>(vp + ((k * d.pages + next) * L) * H);
+    if (j + 1 < num_pages) {
+      const char* nk_ptr = reinterpret_cast<const char*>(kp + offset(j + 1));
+      const char* nv_ptr = reinterpret_cast<const char*>(vp + offset(j + 1));
       constexpr int64_t bytes = L * H * static_cast<int64_t>(sizeof(PT));
       for (int64_t off = 0; off < bytes; off += 64) {
         __builtin_prefetch(nk_ptr + off);
         __builtin_prefetch(nv_ptr + off);
       }
     }
-    __m512 s[NR];
-    for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_ps();
+    if constexpr (kPairs) PreparePairs<HV>(kp + base, nk, kt2);
+    page(j, base, nk);
+  }
+}
+
+// One page (keys page_start.. page_start + nk) for NR query rows: scores, an online-softmax
+// update of (m, den, acc) and acc += p . V. q_scaled: the rows' queries times the scale, [NR, H]
+// float32, or (kPairs) their raw bf16 queries, scored against kt2 (PreparePairs) with the scale
+// applied to the scores. Every row's arithmetic is the same whatever NR or the other rows.
+template <typename QT, typename PT, int HV, int NR>
+LLMSERVE_INLINE void PageRows(const Dims& d, const float* q_scaled, const PT* kpage, const PT* vpage,
+                     const uint32_t* kt2, int64_t nk, int64_t page_start, const int64_t* q_pos,
+                     int64_t len, __m512 (&acc)[NR][HV], float* m, float* den, float* pbuf) {
+  constexpr int64_t H = 16 * HV, L = 16;
+  constexpr bool kPairs = kBf16Dot && std::is_same<QT, uint16_t>::value &&
+                          std::is_same<PT, uint16_t>::value;
+  __m512 s[NR];
+  for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
-    if constexpr (kPairs) {  // bf16 q and K: s[r] = (q[r] . k[i]) * scale, two dims per op
-      uint32_t* kt2 = reinterpret_cast<uint32_t*>(kt);  // [H/2, L] bf16 pairs
-      if (nk == L) {
-        TransposePairs16(kp + base, H, kt2);
-      } else {  // a partial page: zeros past its last key (masked below)
-        for (int64_t i = 0; i < L; ++i) {
-          const uint16_t* kr = reinterpret_cast<const uint16_t*>(kp + base + i * H);
-          for (int64_t e = 0; e < H / 2; ++e) {
-            uint32_t pair = 0;
-            if (i < nk) std::memcpy(&pair, kr + 2 * e, sizeof(pair));
-            kt2[e * L + i] = pair;
-          }
-        }
+  if constexpr (kPairs) {  // bf16 q and K: s[r] = (q[r] . k[i]) * scale, two dims per op
+    const uint32_t* qp = reinterpret_cast<const uint32_t*>(q_scaled);  // raw bf16 pairs
+    for (int64_t e = 0; e < H / 2; ++e) {
+      const __m512bh ke = (__m512bh)_mm512_loadu_si512(kt2 + e * L);
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh qe = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * (H / 2) + e]));
+        s[r] = _mm512_dpbf16_ps(s[r], qe, ke);
       }
-      const uint32_t* qp = reinterpret_cast<const uint32_t*>(q_scaled);  // raw bf16 pairs
-      for (int64_t e = 0; e < H / 2; ++e) {
-        const __m512bh ke = (__m512bh)_mm512_loadu_si512(kt2 + e * L);
-        for (int r = 0; r < NR; ++r) {
-          const __m512bh qe = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * (H / 2) + e]));
-          s[r] = _mm512_dpbf16_ps(s[r], qe, ke);
-        }
-      }
-      const __m512 sc = _mm512_set1_ps(d.scale);
-      for (int r = 0; r < NR; ++r) s[r] = _mm512_mul_ps(s[r], sc);
-    } else
+    }
+    const __m512 sc = _mm512_set1_ps(d.scale);
+    for (int r = 0; r < NR; ++r) s[r] = _mm512_mul_ps(s[r], sc);
+  } else
 #endif
-    {  // s[r][i] = q[r] . k[i]: per key H/16 multiply-adds, then one tree over the 16 keys
-      for (int r = 0; r < NR; ++r) {
-        __m512 qv[HV];
-        for (int v = 0; v < HV; ++v) qv[v] = _mm512_loadu_ps(q_scaled + r * H + 16 * v);
-        __m512 a[16];
-        for (int i = 0; i < 16; ++i) {
-          __m512 t = _mm512_setzero_ps();  // keys past the page's end: zero (masked below)
-          if (i < nk) {
-            const PT* kr = kp + base + i * H;
-            t = _mm512_mul_ps(qv[0], LoadVec(kr));
-            for (int v = 1; v < HV; ++v) t = _mm512_fmadd_ps(qv[v], LoadVec(kr + 16 * v), t);
-          }
-          a[4 * (i % 4) + i / 4] = t;  // lands in lane i
-        }
-        s[r] = TreeSum16(a);
-      }
-    }
-    int64_t keys = 0;  // keys any of the rows sees in this page
+  {  // s[r][i] = q[r] . k[i]: per key H/16 multiply-adds, then one tree over the 16 keys
+    (void)kt2;
     for (int r = 0; r < NR; ++r) {
-      const int64_t last = std::min(q_pos[r], len - 1) - j * L;  // last visible key in the page
-      const int64_t ns = std::max<int64_t>(0, std::min<int64_t>(nk, last + 1));
-      keys = std::max(keys, ns);
-      const __mmask16 mask = static_cast<__mmask16>((1u << ns) - 1u);
-      const __m512 sm = _mm512_mask_blend_ps(mask, _mm512_set1_ps(kMinusInf), s[r]);
-      const float m_new = std::max(m[r], _mm512_reduce_max_ps(sm));
-      const float corr = _mm_cvtss_f32(_mm512_castps512_ps128(
-          ExpNonPositive16(_mm512_set1_ps(m[r] - m_new))));
-      const __m512 p = _mm512_maskz_mov_ps(mask, ExpNonPositive16(
-          _mm512_sub_ps(sm, _mm512_set1_ps(m_new))));
-      den[r] = den[r] * corr + _mm512_reduce_add_ps(p);
-      m[r] = m_new;
-      const __m512 c = _mm512_set1_ps(corr);
-      for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_mul_ps(acc[r][v], c);
-      _mm512_storeu_ps(pbuf + r * L, p);
-    }
-    for (int64_t i = 0; i < keys; ++i) {  // acc[r] += p[r][i] * V[i]
-      const PT* vr = vp + base + i * H;
-      __m512 vv[HV];
-      for (int v = 0; v < HV; ++v) vv[v] = LoadVec(vr + 16 * v);
-      for (int r = 0; r < NR; ++r) {
-        const __m512 p = _mm512_set1_ps(pbuf[r * L + i]);
-        for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_fmadd_ps(p, vv[v], acc[r][v]);
+      __m512 qv[HV];
+      for (int v = 0; v < HV; ++v) qv[v] = _mm512_loadu_ps(q_scaled + r * H + 16 * v);
+      __m512 a[16];
+      for (int i = 0; i < 16; ++i) {
+        __m512 t = _mm512_setzero_ps();  // keys past the page's end: zero (masked below)
+        if (i < nk) {
+          const PT* kr = kpage + i * H;
+          t = _mm512_mul_ps(qv[0], LoadVec(kr));
+          for (int v = 1; v < HV; ++v) t = _mm512_fmadd_ps(qv[v], LoadVec(kr + 16 * v), t);
+        }
+        a[4 * (i % 4) + i / 4] = t;  // lands in lane i
       }
+      s[r] = TreeSum16(a);
     }
   }
+  int64_t keys = 0;  // keys any of the rows sees in this page
+  for (int r = 0; r < NR; ++r) {
+    const int64_t last = std::min(q_pos[r], len - 1) - page_start;  // last visible key
+    const int64_t ns = std::max<int64_t>(0, std::min<int64_t>(nk, last + 1));
+    keys = std::max(keys, ns);
+    const __mmask16 mask = static_cast<__mmask16>((1u << ns) - 1u);
+    const __m512 sm = _mm512_mask_blend_ps(mask, _mm512_set1_ps(kMinusInf), s[r]);
+    const float m_new = std::max(m[r], _mm512_reduce_max_ps(sm));
+    const float corr = _mm_cvtss_f32(_mm512_castps512_ps128(
+        ExpNonPositive16(_mm512_set1_ps(m[r] - m_new))));
+    const __m512 p = _mm512_maskz_mov_ps(mask, ExpNonPositive16(
+        _mm512_sub_ps(sm, _mm512_set1_ps(m_new))));
+    den[r] = den[r] * corr + _mm512_reduce_add_ps(p);
+    m[r] = m_new;
+    const __m512 c = _mm512_set1_ps(corr);
+    for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_mul_ps(acc[r][v], c);
+    _mm512_storeu_ps(pbuf + r * L, p);
+  }
+  for (int64_t i = 0; i < keys; ++i) {  // acc[r] += p[r][i] * V[i]
+    const PT* vr = vpage + i * H;
+    __m512 vv[HV];
+    for (int v = 0; v < HV; ++v) vv[v] = LoadVec(vr + 16 * v);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 p = _mm512_set1_ps(pbuf[r * L + i]);
+      for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_fmadd_ps(p, vv[v], acc[r][v]);
+    }
+  }
+}
+
+// Rows [r0, r0 + NR) of item (b, k): out = acc / den (zeros for a row that saw no key).
+template <typename QT, int HV, int NR>
+LLMSERVE_INLINE void StoreRows(const Dims& d, int64_t b, int64_t k, int64_t r0,
+                      const __m512 (&acc)[NR][HV], const float* den, QT* out) {
+  constexpr int64_t H = 16 * HV;
+  const int64_t g = d.groups;
   for (int r = 0; r < NR; ++r) {
     const int64_t row = r0 + r, t = row / g, gi = row % g;
     const __m512 inv = _mm512_set1_ps(den[r] > 0.0f ? 1.0f / den[r] : 0.0f);  // no key -> zeros
@@ -501,12 +530,58 @@ void RowsAvx512(const Dims& d, int64_t b, int64_t k, int64_t r0, const float* q_
   }
 }
 
-// All rows of item (b, k) through RowsAvx512, at most kMaxRows (= 16 / HV, <= 4) at a time.
+// Rows [r0, r0 + NR) of item (b, k) over every page, their state in registers throughout: the
+// path when all of an item's rows fit one group (a decode step). q_scaled as in PageRows.
+template <typename QT, typename PT, int HV, int NR>
+void RowsAvx512(const Dims& d, int64_t b, int64_t k, int64_t r0, const float* q_scaled,
+                const PT* kp, const PT* vp, const int32_t* tables, int64_t qs, int64_t len,
+                int64_t kv_end, QT* out, float* kt, float* pbuf) {
+  constexpr int64_t L = 16;
+  __m512 acc[NR][HV];
+  float m[NR], den[NR];
+  int64_t q_pos[NR];
+  for (int r = 0; r < NR; ++r) {
+    for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_setzero_ps();
+    m[r] = kMinusInf;
+    den[r] = 0.0f;
+    q_pos[r] = qs + (r0 + r) / d.groups;
+  }
+  uint32_t* kt2 = reinterpret_cast<uint32_t*>(kt);
+  ForEachPage<QT, PT, HV>(d, b, k, kv_end, tables, kp, vp, kt2,
+                          [&](int64_t j, int64_t base, int64_t nk) LLMSERVE_LAMBDA_INLINE {
+    PageRows<QT, PT, HV, NR>(d, q_scaled, kp + base, vp + base, kt2, nk, j * L, q_pos, len, acc,
+                             m, den, pbuf);
+  });
+  StoreRows<QT, HV, NR>(d, b, k, r0, acc, den, out);
+}
+
+// Rows r0.. r0 + NR (one group) of an item with more rows than one group holds, on one page: its
+// state comes from and goes back to the scratch (acc [rows, H], m, den), so each page is read
+// and prepared once for every group (a verify row's 1 + R tokens, a prefill block).
+template <typename QT, typename PT, int HV, int NR>
+LLMSERVE_INLINE void GroupPage(const Dims& d, int64_t r0, const float* q_scaled, const PT* kpage,
+                      const PT* vpage, const uint32_t* kt2, int64_t nk, int64_t page_start,
+                      const int64_t* q_pos, int64_t len, float* acc_mem, float* m, float* den,
+                      float* pbuf) {
+  constexpr int64_t H = 16 * HV;
+  __m512 acc[NR][HV];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_loadu_ps(acc_mem + (r0 + r) * H + 16 * v);
+  PageRows<QT, PT, HV, NR>(d, q_scaled, kpage, vpage, kt2, nk, page_start, q_pos + r0, len, acc,
+                           m + r0, den + r0, pbuf);
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < HV; ++v) _mm512_storeu_ps(acc_mem + (r0 + r) * H + 16 * v, acc[r][v]);
+}
+
+// All rows of item (b, k), at most kMaxRows (= 16 / HV, <= 4) at a time: one group in
+// registers (RowsAvx512), or, with more rows, pages outer and groups inner (GroupPage). A
+// group's rows see keys up to their own positions, so groups whose rows see none of a page skip
+// it (an all-masked page leaves a row's state unchanged: corr = 1, p = 0).
 template <typename QT, typename PT, int HV>
 void ItemAvx512(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT* vp,
                 const int32_t* tables, const int32_t* q_start, const int32_t* lengths, QT* out,
                 Scratch& s) {
-  constexpr int64_t H = 16 * HV;
+  constexpr int64_t H = 16 * HV, L = 16;
   constexpr int kMaxRows = HV >= 8 ? 2 : 4;
   const int64_t b = item / d.kh, k = item % d.kh;
   const int64_t g = d.groups, rows = d.t * g;
@@ -527,16 +602,50 @@ void ItemAvx512(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT
       for (int64_t i = 0; i < H; ++i) dst[i] *= d.scale;
     }
   }
-  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-    const float* qr = &s.q[r0 * kRowFloats];
-    float* kt = s.kb.data();
-    float* pb = s.sc.data();
-    switch (std::min<int64_t>(kMaxRows, rows - r0)) {
-      case 1: RowsAvx512<QT, PT, HV, 1>(d, b, k, r0, qr, kp, vp, tables, qs, len, kv_end, out, kt, pb); break;
-      case 2: RowsAvx512<QT, PT, HV, 2>(d, b, k, r0, qr, kp, vp, tables, qs, len, kv_end, out, kt, pb); break;
-      case 3: if constexpr (kMaxRows >= 3) RowsAvx512<QT, PT, HV, 3>(d, b, k, r0, qr, kp, vp, tables, qs, len, kv_end, out, kt, pb); break;
-      default: if constexpr (kMaxRows >= 4) RowsAvx512<QT, PT, HV, 4>(d, b, k, r0, qr, kp, vp, tables, qs, len, kv_end, out, kt, pb); break;
+  float* kt = s.kb.data();
+  float* pb = s.sc.data();
+  if (rows <= kMaxRows) {
+    const float* qr = s.q.data();
+    switch (rows) {
+      case 1: RowsAvx512<QT, PT, HV, 1>(d, b, k, 0, qr, kp, vp, tables, qs, len, kv_end, out, kt, pb); break;
+      case 2: RowsAvx512<QT, PT, HV, 2>(d, b, k, 0, qr, kp, vp, tables, qs, len, kv_end, out, kt, pb); break;
+      case 3: if constexpr (kMaxRows >= 3) RowsAvx512<QT, PT, HV, 3>(d, b, k, 0, qr, kp, vp, tables, qs, len, kv_end, out, kt, pb); break;
+      default: if constexpr (kMaxRows >= 4) RowsAvx512<QT, PT, HV, 4>(d, b, k, 0, qr, kp, vp, tables, qs, len, kv_end, out, kt, pb); break;
     }
+    return;
+  }
+  float* acc = s.acc.data();
+  float* m = s.mx.data();
+  float* den = s.den.data();
+  std::vector<int64_t>& q_pos = s.pos;
+  for (int64_t r = 0; r < rows; ++r) {
+    m[r] = kMinusInf;
+    den[r] = 0.0f;
+    q_pos[r] = qs + r / g;
+  }
+  std::fill(acc, acc + rows * H, 0.0f);
+  uint32_t* kt2 = reinterpret_cast<uint32_t*>(kt);
+  ForEachPage<QT, PT, HV>(d, b, k, kv_end, tables, kp, vp, kt2,
+                          [&](int64_t j, int64_t base, int64_t nk) LLMSERVE_LAMBDA_INLINE {
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+      const int64_t nr = std::min<int64_t>(kMaxRows, rows - r0);
+      if (std::min(q_pos[r0 + nr - 1], len - 1) < j * L) continue;  // sees none of this page
+      const float* qr = &s.q[r0 * kRowFloats];
+      switch (nr) {
+        case 1: GroupPage<QT, PT, HV, 1>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m, den, pb); break;
+        case 2: GroupPage<QT, PT, HV, 2>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m, den, pb); break;
+        case 3: if constexpr (kMaxRows >= 3) GroupPage<QT, PT, HV, 3>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m, den, pb); break;
+        default: if constexpr (kMaxRows >= 4) GroupPage<QT, PT, HV, 4>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m, den, pb); break;
+      }
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r / g, gi = r % g;
+    const __m512 inv = _mm512_set1_ps(den[r] > 0.0f ? 1.0f / den[r] : 0.0f);  // no key -> zeros
+    alignas(64) float res[H];
+    for (int v = 0; v < HV; ++v)
+      _mm512_store_ps(res + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(acc + r * H + 16 * v), inv));
+    StoreRow(res, out + ((b * d.t + t) * d.n + k * g + gi) * H, H);
   }
 }
 #endif  // __AVX512F__
