@@ -106,11 +106,25 @@ def build_llmserve(cfg, mcfg, params, scheduling: str):
               page_size=lcfg.page_size, max_num_batched_tokens=lcfg.max_num_batched_tokens,
               enable_prefix_caching=lcfg.enable_prefix_caching,
               scheduling="static" if scheduling == "static" else "continuous",
-              prefill_first=scheduling != "mixed", backend=lcfg.backend or None, warmup=True)
+              prefill_first=scheduling != "mixed", backend=lcfg.backend or None,
+              **prefill_buckets(lcfg.prefill_buckets), warmup=True)
     llm.setup_s = time.perf_counter() - t0
     llm.generate(warmup_prompts(cfg), SamplingParams(temperature=0.0, max_tokens=cfg.warmup_tokens,
                                                      ignore_eos=True), use_tqdm=False)
     return llm
+
+
+def prefill_buckets(spec: str) -> dict:
+    """``"4x8,8x8,..."`` -> {"prefill_buckets": ((4, 8), (8, 8), ...)}; "" -> {} (the default)."""
+    if not spec:
+        return {}
+    try:
+        buckets = tuple(tuple(int(v) for v in b.split("x")) for b in spec.split(","))
+    except ValueError:
+        buckets = ()
+    if not buckets or any(len(b) != 2 or min(b) < 1 for b in buckets):
+        raise ValueError(f"llmserve.prefill_buckets={spec!r}: use rows x tokens, e.g. 4x8,8x8")
+    return {"prefill_buckets": buckets}
 
 
 def run_llmserve(cfg, llm, workload: list[Request]) -> dict:
@@ -126,7 +140,8 @@ def run_llmserve(cfg, llm, workload: list[Request]) -> dict:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
-    stats = {k: engine.stats[k] - before[k] for k in before if isinstance(before[k], (int, float))}
+    stats = {k: (engine.stats[k] if k.startswith("max_") else engine.stats[k] - before[k])
+             for k in before if isinstance(before[k], (int, float))}  # max_*: not a count
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     return {"wall_s": wall, "generated_tokens": sum(len(t) for t in tokens),
             "setup_s": llm.setup_s, "stats": stats,
