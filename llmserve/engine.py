@@ -414,6 +414,7 @@ class Engine:
         if verify and not self.speculation.worth_verifying(plan.decode, decode):
             verify = False  # too few drafts (n-gram found few or none): plain is cheaper
         if not verify:
+            self.speculation.shadow(plan.decode, decode or None)
             decode = [self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
                       for seq in plan.decode]
         self.speculation.tick(plan.decode)
@@ -439,6 +440,8 @@ class Engine:
         for kind, rows, offset, res, verify in results:
             if verify:
                 self.speculation.note_verified(rows, res)
+            elif kind == "decode":
+                self.speculation.note_decoded(rows, res)
             for i, row in enumerate(rows):
                 seq = row if kind == "decode" else row.seq
                 touched[seq.request_id] = self.requests.get(seq.request_id)

@@ -399,3 +399,35 @@ def test_dropped_draft_engine_frees_the_draft_programs(tiny):
         build(3 + r)
     gc.collect()
     assert ref() is None
+
+
+def test_adaptive_ngram_checks_drafts_on_plain_steps(tiny):
+    """While the never-slower rule decodes plainly (here: verify made to look 1000x a decode
+    step), each plain step still checks every row's first n-gram draft against the token it
+    emits and feeds the outcome to the policy, so a low acceptance estimate can recover. The
+    counts equal an independent replay: prompt lookup on each output prefix vs the next token."""
+    from llmserve.speculative.ngram import NgramProposer
+
+    cfg, params = tiny
+    prompts, lens = repetitive_workload(cfg, 2, seed=3)
+    sps = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) for _ in prompts]
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "adaptive": True}
+    eng = make_engine(cfg, params, speculative_config=spec, max_num_seqs=2)
+    pol = eng.speculation.policy
+    pol.t_verify = {b: 1000 * max(pol.t_decode.values()) for b in pol.t_verify}
+    before = list(pol.prior)
+    outs = run_all(eng, prompts, sps)
+    assert eng.stats.get("spec_verify_rows", 0) == 0  # every step was plain
+    lookup, checks, hits = NgramProposer(3, 1, 2), 0, 0
+    for prompt, out in zip(prompts, outs):
+        ids = list(prompt) + list(out.outputs[0].token_ids)
+        for pos in range(len(prompt) + 1, len(ids)):  # tokens of decode steps (not the first)
+            draft, n = lookup.lookup(ids[:pos], 1)
+            if n:
+                checks += 1
+                hits += int(draft[0] == ids[pos])
+    assert checks > 0
+    assert eng.stats["spec_shadow_rows"] == checks and eng.stats["spec_shadow_hits"] == hits
+    m = eng.spec_metrics()
+    assert m["shadow_checks"] == checks and m["shadow_acceptance"] == hits / checks
+    assert pol.prior[0] != before[0] and pol.prior[1:] == before[1:]  # position 0 only

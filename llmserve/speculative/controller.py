@@ -18,6 +18,8 @@ import numpy as np
 from llmserve.runner import wait
 from llmserve.speculative.policy import SpeculationPolicy, SpeculativeConfig
 
+SHADOW_ROWS = 2  # n-gram lookups per plain decode step of an adaptive engine (``shadow``)
+
 
 def num_speculative_tokens(spec_cfg: Optional[dict]) -> int:
     """D, the drafts a verify row carries (0 without speculation): the runner's verify width."""
@@ -43,8 +45,9 @@ def load_eagle(spec_cfg: Optional[dict], cfg):
 
 def spec_metrics(stats: dict) -> dict:
     """Speculative decoding so far (from an engine's ``stats``): acceptance rate, mean accepted
-    length per verify row, acceptance per draft position, and the time spent in verify (draft
-    + verify) and in plain decode steps."""
+    length per verify row, acceptance per draft position, the first drafts checked against
+    plain steps' tokens (``SpeculationController.shadow``) and how often they matched, and the
+    time spent in verify (draft + verify) and in plain decode steps."""
     st = stats
     proposed, rows = st.get("spec_proposed", 0), st.get("spec_verify_rows", 0)
     per_pos = [a / p if p else None for a, p in zip(st.get("spec_accepted_per_pos", []),
@@ -52,6 +55,9 @@ def spec_metrics(stats: dict) -> dict:
     return {"acceptance_rate": st.get("spec_accepted", 0) / proposed if proposed else None,
             "mean_accepted_length": st.get("spec_accepted", 0) / rows if rows else None,
             "acceptance_per_position": per_pos,
+            "shadow_checks": st.get("spec_shadow_rows", 0),
+            "shadow_acceptance": (st.get("spec_shadow_hits", 0) / st["spec_shadow_rows"]
+                                  if st.get("spec_shadow_rows") else None),
             "verify_time_s": st.get("spec_verify_time_s", 0.0),
             "decode_time_s": st.get("spec_decode_time_s", 0.0)}
 
@@ -76,6 +82,8 @@ class SpeculationController:
         self.proposer = None
         self._drafted = False  # an EAGLE head left drafts for the next step
         self._num_draft = None  # host copy: drafts each verify row carried this step
+        self._shadow: dict = {}  # seq_id -> its first draft, checked by a plain step's token
+        self._shadow_next = 0  # round-robin start of the next plain step's lookups
         if config is not None:
             self._init_speculation(config, cfg, num_pages, page_size, backend)
 
@@ -200,6 +208,47 @@ class SpeculationController:
         n = len(seqs)
         return self.policy.speculate([s.seq_id for s in seqs], self.runner.decode_bucket(n),
                                      self.runner.decode_bucket(n, verify=True), drafts)
+
+    def shadow(self, seqs: list, rows: Optional[list] = None) -> None:
+        """Before a plain decode step of an adaptive n-gram engine: the first draft of some
+        rows, which ``note_decoded`` checks against the token the step emits.
+
+        The policy's acceptance estimates move only on verify steps, so once they fall below
+        break-even the step-level rule would never verify again, even after a request starts
+        copying its input. Checking a draft against a plain step's token observes exactly the
+        first-position acceptance event (a point-mass draft x is accepted with probability
+        p(x), the chance of drawing x), without verifying. ``rows``: the verify rows this step
+        already proposed (then every row's first draft is checked); else SHADOW_ROWS rows,
+        round-robin, are looked up (~0.1 ms each on a 700-token row)."""
+        self._shadow = {}
+        if (self.spec is None or self.spec.method != "ngram" or not self.policy.adaptive
+                or not seqs):
+            return
+        if rows is not None:
+            self._shadow = {seq.seq_id: int(row.tokens[1]) for seq, row in zip(seqs, rows)
+                            if len(row.tokens) > 1}
+            return
+        n = min(SHADOW_ROWS, len(seqs))
+        pick = [seqs[(self._shadow_next + i) % len(seqs)] for i in range(n)]
+        self._shadow_next = (self._shadow_next + n) % len(seqs)
+        proposal = self.proposer.propose(pick, np.ones(n, np.int32))
+        self._shadow = {seq.seq_id: int(proposal.tokens[i, 0]) for i, seq in enumerate(pick)
+                        if proposal.num_draft[i] > 0}
+
+    def note_decoded(self, seqs: list, res) -> None:
+        """After a plain decode step: each shadowed row's first draft against its token, as
+        one first-position outcome for the policy (``shadow``)."""
+        if not self._shadow:
+            return
+        for j, seq in enumerate(seqs):
+            draft = self._shadow.get(seq.seq_id)
+            if draft is None:
+                continue
+            hit = int(int(res.tokens[j, 0]) == draft)
+            self.policy.record(seq.seq_id, 1, hit)
+            self.stats["spec_shadow_rows"] = self.stats.get("spec_shadow_rows", 0) + 1
+            self.stats["spec_shadow_hits"] = self.stats.get("spec_shadow_hits", 0) + hit
+        self._shadow = {}
 
     def tick(self, seqs: list) -> None:
         """One more step for the policy's per-sequence bookkeeping (verified or not)."""
