@@ -73,10 +73,8 @@ def load_model(cfg):
         tokenizer = Tokenizer.from_gguf(default_model_path())
         mcfg, params = load_checkpoint(None, dtype=cfg.dtype)
         return mcfg, params, tokenizer, f"SmolLM2-135M-Instruct {cfg.dtype}"
-    import jax
-
     from llmserve.config import preset
-    from llmserve.model import init_params
+    from llmserve.model import random_params
 
     try:  # the workload's text needs SmolLM2's tokenizer; without it, random token ids
         tokenizer = Tokenizer.from_gguf(default_model_path())
@@ -84,18 +82,19 @@ def load_model(cfg):
         logging.warning("no SmolLM2 tokenizer (%s): the workload uses random token ids", e)
         tokenizer = None
     mcfg = preset(cfg.model).replace(dtype=cfg.dtype)
-    params = jax.tree_util.tree_map(lambda x: x.astype(mcfg.jnp_dtype), init_params(mcfg, 0))
+    params = random_params(mcfg, 0, dtype=mcfg.jnp_dtype)
     return mcfg, params, tokenizer, f"{cfg.model} (random weights) {cfg.dtype}"
 
 
 # ---------------------------------------------------------------------------------- llmserve
 
 
-def build_llmserve(cfg, mcfg, params, scheduling: str):
+def build_llmserve(cfg, mcfg, params, scheduling: str, skip_tokenizer: bool = False):
     """An LLM over the already loaded params (compiled and warmed up), reused by every repeat.
 
     ``scheduling``: continuous, static, or mixed (continuous without the prefill-first rule:
-    decode rows always share a step with prompt chunks; an ablation)."""
+    decode rows always share a step with prompt chunks; an ablation). ``skip_tokenizer``: the
+    workload is token ids and no tokenizer is loaded (random weights without SmolLM2's package)."""
     from llmserve.llm import LLM
     from llmserve.sampling_params import SamplingParams
 
@@ -107,7 +106,8 @@ def build_llmserve(cfg, mcfg, params, scheduling: str):
               enable_prefix_caching=lcfg.enable_prefix_caching,
               scheduling="static" if scheduling == "static" else "continuous",
               prefill_first=scheduling != "mixed", backend=lcfg.backend or None,
-              **prefill_buckets(lcfg.prefill_buckets), warmup=True)
+              **prefill_buckets(lcfg.prefill_buckets), warmup=True,
+              skip_tokenizer_init=skip_tokenizer)
     llm.setup_s = time.perf_counter() - t0
     llm.generate(warmup_prompts(cfg), SamplingParams(temperature=0.0, max_tokens=cfg.warmup_tokens,
                                                      ignore_eos=True), use_tqdm=False)
@@ -316,7 +316,8 @@ def main(argv) -> None:
 
     for name in [s for s in LABELS if s in systems]:  # fixed order: tables line up across runs
         if name.startswith("llmserve"):
-            llms[name] = build_llmserve(cfg, mcfg, params, name.split("_")[1])
+            llms[name] = build_llmserve(cfg, mcfg, params, name.split("_")[1],
+                                         skip_tokenizer=tokenizer is None)
             fns[name] = lambda rep, n=name: run_llmserve(cfg, llms[n], workloads[seed_of(rep)])
         elif name.startswith("hf"):
             hf_model = hf_model or load_hf_model(cfg, hf_dir if cfg.model else None)

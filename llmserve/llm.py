@@ -21,6 +21,9 @@ class LLM:
     ``kv_cache_memory`` (bytes), ``enable_prefix_caching``, ``scheduling`` and ``backend``;
     ``tensor_parallel_size`` (weights and KV cache split over that many devices) and
     ``data_parallel_size`` (independent replicas behind one router), see llmserve/sharding.py.
+    ``skip_tokenizer_init=True`` (as in vLLM) loads no tokenizer: prompts must be token ids and
+    outputs carry token ids with empty text (random-weight benchmarks on machines without the
+    SmolLM2 package).
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype: str = "auto",
@@ -32,7 +35,8 @@ class LLM:
                  model_config: Any = None, warmup: bool = True,
                  gpu_memory_utilization: Optional[float] = None,
                  speculative_model: Optional[str] = None,
-                 num_speculative_tokens: Optional[int] = None, **engine_kwargs):
+                 num_speculative_tokens: Optional[int] = None,
+                 skip_tokenizer_init: bool = False, **engine_kwargs):
         from llmserve.checkpoint import load_checkpoint
         from llmserve.progress import phase
 
@@ -56,7 +60,10 @@ class LLM:
         else:
             with phase(f"loading {model or 'SmolLM2-135M-Instruct'} ({dtype})"):
                 cfg, params = load_checkpoint(model, dtype=dtype)
-        if tokenizer is None and (model is None or isinstance(model, str)):
+        if skip_tokenizer_init and tokenizer is not None:
+            raise ValueError("LLM(skip_tokenizer_init=True) takes no tokenizer=")
+        if not skip_tokenizer_init and tokenizer is None and (model is None
+                                                              or isinstance(model, str)):
             tokenizer = _load_tokenizer(model)
         self.model = model
         self.tokenizer = tokenizer

@@ -209,3 +209,57 @@ def test_checkpoint_and_config_loading_errors(tmp_path):
     with pytest.raises(ValueError, match="multiple of"):
         ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=3, n_kv_heads=2, head_dim=4,
                     ffn_dim=8)
+
+
+def test_skip_tokenizer_init_serves_token_ids_and_refuses_text():
+    """vLLM's skip_tokenizer_init: no tokenizer is loaded, token-id prompts give the reference
+    loop's greedy tokens with empty text, a text prompt is refused with a clear error, and a
+    tokenizer passed alongside is refused at construction."""
+    from llmserve.reference import generate_reference
+
+    cfg = preset("tiny-9-3")
+    params = init_params(cfg, seed=1)
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        LLM(params=params, model_config=cfg, tokenizer=object(), skip_tokenizer_init=True,
+            warmup=False)
+    llm = LLM(params=params, model_config=cfg, skip_tokenizer_init=True, warmup=False,
+              max_model_len=64, max_num_seqs=2)
+    assert llm.tokenizer is None and llm.engine.tokenizer is None
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)
+    want = generate_reference(params, cfg, prompts, 5)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert all(o.outputs[0].text == "" for o in outs)
+    with pytest.raises((TypeError, ValueError), match="token"):
+        llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    outs = llm.generate([[3, 4]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                        use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == generate_reference(params, cfg,
+                                                                             [[3, 4]], 2)
+
+
+def test_random_params_match_init_params_in_structure_and_scale():
+    """random_params (the fast leaf-by-leaf init for full-size presets): init_params' tree,
+    shapes and dtype, normal(0.02) kernels, unit norm scales."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from llmserve.model import random_params
+
+    cfg = preset("tiny-9-3")
+    want = init_params(cfg, seed=0)
+    got = random_params(cfg, 0, dtype=jnp.bfloat16)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got),
+                            jax.tree_util.tree_leaves(want)):
+        assert g.shape == w.shape and g.dtype == jnp.bfloat16, path
+        g = np.asarray(g.astype(jnp.float32))
+        if path[-1].key == "scale":
+            np.testing.assert_array_equal(g, 1.0)
+        elif g.size >= 1000:
+            assert abs(g.std() - 0.02) < 0.002 and abs(g.mean()) < 0.002, path
+    again = random_params(cfg, 0, dtype=jnp.bfloat16)
+    assert all(bool((a == b).all()) for a, b in zip(jax.tree_util.tree_leaves(got),
+                                                    jax.tree_util.tree_leaves(again)))
