@@ -310,6 +310,31 @@ def test_ngram_no_match_and_batch():
     np.testing.assert_array_equal(tokens, [[0, 0, 0], [9, 1, 2], [5, 0, 0]])
 
 
+def _lookup_by_definition(ids, n_max, n_min, k):
+    """Prompt lookup as its docstring defines it, in plain Python: for n = n_max .. n_min, the
+    latest earlier window equal to the last n tokens, and the (up to) k tokens after it."""
+    for n in range(min(n_max, len(ids) - 1), n_min - 1, -1):
+        for i in range(len(ids) - 1 - n, -1, -1):
+            if ids[i:i + n] == ids[len(ids) - n:]:
+                follow = ids[i + n:i + n + k]
+                return follow + [0] * (k - len(follow)), len(follow)
+    return [0] * k, 0
+
+
+def test_ngram_lookup_equals_its_definition_on_random_sequences():
+    """The one-pass lookup against the search by definition on 3000 random sequences over
+    small alphabets (many repeated n-grams, ties between windows, matches at the start)."""
+    rng = np.random.default_rng(0)
+    for trial in range(3000):
+        n_max = int(rng.integers(1, 5))
+        n_min = int(rng.integers(1, n_max + 1))
+        k = int(rng.integers(1, 6))
+        ids = rng.integers(0, int(rng.integers(1, 6)), int(rng.integers(0, 40))).tolist()
+        toks, n = NgramProposer(n_max=n_max, n_min=n_min, k=k).lookup(ids)
+        want, want_n = _lookup_by_definition(ids, n_max, n_min, k)
+        assert (list(toks), n) == (want, want_n), (trial, ids, n_max, n_min, k)
+
+
 # ---------------------------------------------------------------------------------- draft model
 def test_draft_model_equal_to_target_matches_greedy_and_is_accepted():
     cfg = preset("tiny-gqa")
