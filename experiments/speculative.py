@@ -367,11 +367,14 @@ def report(rows: list[dict]) -> str:
             "yes" if r["identical"] else
             f"{r['greedy_equal']['identical']}/{r['greedy_equal']['requests']}"
             + (" (rest: near-ties)" if r["identical_up_to_near_ties"] else " NO"),
-            _f(r["mean_accepted_length"], ".2f"), _positions(r["acceptance_per_position"]),
+            _f(r["mean_accepted_length"], ".2f"),
+            _f(r["spec_metrics"].get("predicted_tokens_per_row"), ".2f"),
+            _positions(r["acceptance_per_position"]),
             _f(r["verify_decode_cost"], ".2f"), _f(r["verify_step_fraction"], ".0%")])
     headers = ["workload", "method", "adaptive", "batch", "pairs",
                "speedup, median [min-max]", "plain tok/s", "spec tok/s", "greedy identical",
-               "mean accepted length", "accept @ pos 1..R", "verify / decode step",
+               "mean accepted length", "policy's expected tokens / verify row",
+               "accept @ pos 1..R", "verify / decode step",
                "verify steps"]
     return common.markdown_table(headers, cells)
 
@@ -394,6 +397,9 @@ def notes(cfg, models: dict, rows: list[dict], prompts: dict, skipped: dict,
            "the round had its first token / that wall time",
            "mean accepted length = accepted drafts per verify row; accept @ pos j = fraction of "
            "verify rows carrying draft j that accepted it (engine.spec_metrics())",
+           "policy's expected tokens / verify row = what the never-slower policy expected the "
+           "rows it verified to emit (1 + p_0 + p_0 p_1 + ... per row); they emitted 1 + the "
+           "mean accepted length: the gap is the policy's optimism",
            "verify / decode step = median wall time of an engine.step() that verified drafts "
            "(engine.stats['spec_verify_time_s'] grew) over the median plain decode step of the "
            "same pair and batch, host work included (for draft/EAGLE: the draft's own steps); "

@@ -401,6 +401,30 @@ def test_dropped_draft_engine_frees_the_draft_programs(tiny):
     assert ref() is None
 
 
+def test_policy_calibration_metric_is_its_expectation_at_the_first_verify_step(tiny):
+    """spec_metrics' predicted_tokens_per_row: at the first verify step every row still has the
+    policy's starting rates (0.4 at the first draft, 0.7 after), so the expectation it records
+    is rows + sum_j (rows carrying draft j) * 0.4 * 0.7^j, recomputed here from the step's
+    per-position counts; the realized tokens per row are 1 + the mean accepted length."""
+    cfg, params = tiny
+    prompts, _ = repetitive_workload(cfg, 2, seed=3)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    eng = make_engine(cfg, params, speculative_config=spec, max_num_seqs=2)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=12,
+                                                   ignore_eos=True))
+    while not eng.stats.get("spec_verify_rows"):
+        eng.step()
+    rows, at = eng.stats["spec_verify_rows"], eng.stats["spec_proposed_per_pos"]
+    want = rows + sum(n * 0.4 * 0.7 ** j for j, n in enumerate(at))
+    assert sum(at) > 0
+    assert eng.stats["spec_predicted_tokens"] == pytest.approx(want, rel=1e-9)
+    m = eng.spec_metrics()
+    assert m["predicted_tokens_per_row"] == pytest.approx(want / rows, rel=1e-9)
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
 def test_adaptive_ngram_checks_drafts_on_plain_steps(tiny):
     """While the never-slower rule decodes plainly (here: verify made to look 1000x a decode
     step), each plain step still checks every row's first n-gram draft against the token it

@@ -45,7 +45,9 @@ def load_eagle(spec_cfg: Optional[dict], cfg):
 
 def spec_metrics(stats: dict) -> dict:
     """Speculative decoding so far (from an engine's ``stats``): acceptance rate, mean accepted
-    length per verify row, acceptance per draft position, the first drafts checked against
+    length per verify row, acceptance per draft position, the tokens per verify row the policy
+    expected when it chose to verify (its calibration: realized = 1 + mean accepted length;
+    the policy's expectation whatever ``adaptive``), the first drafts checked against
     plain steps' tokens (``SpeculationController.shadow``) and how often they matched, and the
     time spent in verify (draft + verify) and in plain decode steps."""
     st = stats
@@ -55,6 +57,8 @@ def spec_metrics(stats: dict) -> dict:
     return {"acceptance_rate": st.get("spec_accepted", 0) / proposed if proposed else None,
             "mean_accepted_length": st.get("spec_accepted", 0) / rows if rows else None,
             "acceptance_per_position": per_pos,
+            "predicted_tokens_per_row": (st.get("spec_predicted_tokens", 0.0) / rows
+                                         if rows else None),
             "shadow_checks": st.get("spec_shadow_rows", 0),
             "shadow_acceptance": (st.get("spec_shadow_hits", 0) / st["spec_shadow_rows"]
                                   if st.get("spec_shadow_rows") else None),
@@ -82,6 +86,7 @@ class SpeculationController:
         self.proposer = None
         self._drafted = False  # an EAGLE head left drafts for the next step
         self._num_draft = None  # host copy: drafts each verify row carried this step
+        self._predicted = 0.0  # tokens the policy expected this step's verify rows to emit
         self._shadow: dict = {}  # seq_id -> its first draft, checked by a plain step's token
         self._shadow_next = 0  # round-robin start of the next plain step's lookups
         if config is not None:
@@ -190,6 +195,9 @@ class SpeculationController:
                 room[i] = max(0, min(d, self.max_model_len - seq.num_tokens))
         proposal = self.proposer.propose(seqs, room)
         self._num_draft = proposal.num_draft  # host copy: drafts each row carried this step
+        # What the policy expects these rows to emit, for its calibration (``spec_metrics``).
+        self._predicted = sum(self.policy.expected_tokens(seq.seq_id, n)
+                              for seq, n in zip(seqs, proposal.num_draft))
         rows = []
         for i, seq in enumerate(seqs):
             k = int(proposal.num_draft[i])
@@ -290,6 +298,8 @@ class SpeculationController:
         d = self.spec.num_speculative_tokens
         accepted = np.asarray(res.num_accepted[: len(seqs)])
         self.proposer.accepted(seqs, accepted)
+        self.stats["spec_predicted_tokens"] = (self.stats.get("spec_predicted_tokens", 0.0)
+                                               + self._predicted)
         proposed_at = self.stats.setdefault("spec_proposed_per_pos", [0] * d)
         accepted_at = self.stats.setdefault("spec_accepted_per_pos", [0] * d)
         for seq, drafted, n in zip(seqs, self._num_draft, accepted):
