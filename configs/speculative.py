@@ -22,10 +22,11 @@ Workloads (fixed here, deterministic for a given Python version):
   than the held-out set are filled with the other questions (the JSON says how many).
 
 For each (workload, method, batch): ``pairs`` repetitions; each runs the plain engine and every
-speculative variant (adaptive off / on) on the same prompts, in an order rotated every
-repetition. Each pair's speedup = its speculative decode tok/s / the same repetition's plain
-decode tok/s; the row reports the median [min-max]. Decode tok/s counts the steps after every
-request of the round has its first token (prefill and compilation outside the window).
+speculative variant (adaptive off / on) on the same prompts in lockstep, one ``engine.step()``
+of each in turn (the order rotated every repetition), so the shared machine's load changes hit
+them alike. Each pair's speedup = its speculative decode tok/s / the same repetition's plain
+decode tok/s; the row reports the median [min-max]. Decode tok/s counts an engine's own steps
+after every request of the round has its first token (prefill and compilation outside).
 Greedy, EOS ignored, ``max_tokens`` new tokens; a "batch" is that many concurrent requests
 (max_num_seqs = decode bucket = batch). Batches ``b`` with ``b * pairs`` <= the workload's
 prompts take new prompts each pair; larger ones reuse one group, prefilled once per engine

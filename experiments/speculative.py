@@ -14,8 +14,10 @@ questions. Only the public API is used:
 
 Per row (workload, method, adaptive, batch) it reports:
 - speedup: per pair, speculative decode tok/s over the same pair's plain decode tok/s; the median
-  and [min-max] over the pairs (decode tok/s = tokens produced after every request of the round
-  has its first token / that wall time);
+  and [min-max] over the pairs. A pair runs plain and every variant on the same prompts in
+  lockstep (one ``engine.step()`` of each in turn), so the shared machine's load changes hit
+  them alike; an engine's decode tok/s = the tokens it produced after every request of the
+  round had its first token / the summed wall time of its own steps since then;
 - plain and speculative decode tok/s (medians), and whether every greedy output equals the plain
   run's on the same prompts;
 - mean accepted length (accepted drafts per verify row) and acceptance per draft position, from
@@ -177,36 +179,55 @@ def _compilations(engine) -> Optional[int]:
 
 # ---------------------------------------------------------------------------------- running
 def serve(engine, prompts: list[Prompt], params, tag: str) -> dict:
-    """Serves one round of concurrent requests; times every step after the last first token.
+    """Serves one round of concurrent requests on one engine (see ``serve_lockstep``)."""
+    return serve_lockstep({"only": engine}, prompts, params, tag)["only"]
 
-    Returns decode tok/s over that window, each window step's seconds and whether it verified
-    drafts, and every request's token ids.
+
+def serve_lockstep(engines: dict, prompts: list[Prompt], params, tag: str) -> dict:
+    """Serves the same round of concurrent requests on every engine, in lockstep: one
+    ``engine.step()`` of each in turn (in ``engines``' order) until all are done, so a change
+    in the machine's load (this 2-core machine is shared) hits every engine alike.
+
+    Per engine: decode tok/s over its own steps after its last first token (the tokens it
+    produced then / the summed wall time of those steps), each such step's seconds and whether
+    it verified drafts, and every request's token ids and top-2 logprob gaps.
     """
-    rids = [engine.add_request(f"{tag}-{i}", list(p.ids), params) for i, p in enumerate(prompts)]
-    count = dict.fromkeys(rids, 0)
-    final: dict[str, list[int]] = {}
-    gaps: dict[str, list[float]] = {}  # per request: top-2 logprob gap at each position
-    window: Optional[tuple[float, int]] = None  # (start time, tokens at start)
-    steps: list[tuple[float, bool]] = []
-    while engine.has_unfinished_requests():
-        before = engine.stats.get(VERIFY_KEY, 0.0)
-        t0 = time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - t0
-        if window is not None:
-            steps.append((dt, engine.stats.get(VERIFY_KEY, 0.0) != before))
-        for out in outs:
-            count[out.request_id] = len(out.outputs[0].token_ids)
-            if out.finished:
-                final[out.request_id] = list(out.outputs[0].token_ids)
-                gaps[out.request_id] = [_top2_gap(lp) for lp in out.outputs[0].logprobs or []]
-        if window is None and all(count.values()):
-            window = (time.perf_counter(), sum(count.values()))
-    wall = time.perf_counter() - window[0]
-    tokens = sum(count.values()) - window[1]
-    return {"tok_s": tokens / wall if wall > 0 else None, "tokens": tokens, "wall_s": wall,
-            "steps": steps, "token_ids": [final[r] for r in rids],
-            "top2_gaps": [gaps.get(r, []) for r in rids]}
+    state = {}
+    for name, engine in engines.items():
+        rids = [engine.add_request(f"{tag}-{name}-{i}", list(p.ids), params)
+                for i, p in enumerate(prompts)]
+        state[name] = {"rids": rids, "count": dict.fromkeys(rids, 0), "final": {}, "gaps": {},
+                       "start": None, "time": 0.0, "steps": []}
+    live = list(engines)
+    while live:
+        for name in list(live):
+            engine, st = engines[name], state[name]
+            before = engine.stats.get(VERIFY_KEY, 0.0)
+            t0 = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t0
+            if st["start"] is not None:
+                st["time"] += dt
+                st["steps"].append((dt, engine.stats.get(VERIFY_KEY, 0.0) != before))
+            for out in outs:
+                st["count"][out.request_id] = len(out.outputs[0].token_ids)
+                if out.finished:
+                    st["final"][out.request_id] = list(out.outputs[0].token_ids)
+                    st["gaps"][out.request_id] = [_top2_gap(lp)
+                                                  for lp in out.outputs[0].logprobs or []]
+            if st["start"] is None and all(st["count"].values()):
+                st["start"] = sum(st["count"].values())
+            if not engine.has_unfinished_requests():
+                live.remove(name)
+    results = {}
+    for name, st in state.items():
+        tokens = sum(st["count"].values()) - st["start"]
+        results[name] = {
+            "tok_s": tokens / st["time"] if st["time"] > 0 else None, "tokens": tokens,
+            "wall_s": st["time"], "steps": st["steps"],
+            "token_ids": [st["final"][r] for r in st["rids"]],
+            "top2_gaps": [st["gaps"].get(r, []) for r in st["rids"]]}
+    return results
 
 
 def _top2_gap(entry: dict) -> float:
@@ -282,8 +303,9 @@ def measure(cfg, models: dict, workload: str, methods: list[str], batch: int,
     bar = tqdm(range(pairs), desc=f"{workload} batch {batch}", leave=False)
     for p in bar:
         order = names[p % len(names):] + names[:p % len(names)]  # rotated every pair
+        out = serve_lockstep({n: engines[n] for n in order}, plan[p], params, f"p{p}")
         for name in order:
-            runs[name].append(serve(engines[name], plan[p], params, f"p{p}"))
+            runs[name].append(out[name])
         plain = runs["plain"][-1]["tok_s"]
         bar.set_postfix_str(" ".join(
             f"{n.replace(' adaptive=', '/')} {runs[n][-1]['tok_s'] / plain:.2f}x"
@@ -391,10 +413,11 @@ def notes(cfg, models: dict, rows: list[dict], prompts: dict, skipped: dict,
            "bucket = batch)",
            "prompt tokens (chat template included): " + ", ".join(
                f"{w} {min(v)}-{max(v)}" for w, v in lens.items()),
-           "speedup: per interleaved pair (plain and every speculative variant on the same "
-           "prompts, order rotated each pair), speculative / plain decode tok/s; median "
-           "[min-max] over the pairs. Decode tok/s = tokens produced after every request of "
-           "the round had its first token / that wall time",
+           "speedup: per pair (plain and every speculative variant on the same prompts, in "
+           "lockstep: one engine.step() of each in turn, order rotated each pair), speculative "
+           "/ plain decode tok/s; median [min-max] over the pairs. Decode tok/s = tokens an "
+           "engine produced after every request of the round had its first token / the summed "
+           "wall time of its own steps since then",
            "mean accepted length = accepted drafts per verify row; accept @ pos j = fraction of "
            "verify rows carrying draft j that accepted it (engine.spec_metrics())",
            "policy's expected tokens / verify row = what the never-slower policy expected the "
