@@ -27,7 +27,7 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
     c.out_root = ""  # "" = results/ (or $LLMSERVE_RESULTS)
     c.model = "tiny-9-3" if smoke else ""  # "" = SmolLM2-135M-Instruct; else a random preset
     c.dtype = "bfloat16"
-    c.backends = "xla,cpu"
+    c.backends = "cpu" if smoke else "xla,cpu"  # smoke: the pipeline once (CI time)
     c.batch = 4 if smoke else 32
     c.context = 24 if smoke else 200
     c.steps = 3 if smoke else 8
