@@ -1,4 +1,4 @@
-r"""Speculative decoding benchmark: interleaved A/B pairs, plain vs speculative (issue 11).
+r"""Speculative decoding benchmark: A/B pairs in lockstep, plain vs speculative (issue 11).
 
   python -m experiments.speculative --config=configs/speculative.py:smoke   # ~45 s, tiny model
   python -m experiments.speculative --config=configs/speculative.py:small   # ~3-5 min, SmolLM2

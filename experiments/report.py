@@ -76,15 +76,19 @@ def gqa_cell(s: dict) -> str:
 
 
 def spec_cell(s: dict) -> str:
+    """The speculative row: batch-1 speedups of each method (only the policies a run measured:
+    ``--config.adaptive`` may hold one), the adaptive floor, the verify cost, greedy equality."""
     b = s.get("first_batch", 1)
     parts = []
     for method, what in (("ngram", "n-gram (input-grounded)"), ("draft", "draft model (chat)"),
                          ("eagle", "EAGLE head (chat)")):
-        if f"{method}_b{b}_speedup_always" in s or f"{method}_b{b}_speedup_adaptive" in s:
-            parts.append(f"{what} {_x(s.get(f'{method}_b{b}_speedup_always'), '.2f')} always / "
-                         f"{_x(s.get(f'{method}_b{b}_speedup_adaptive'), '.2f')} adaptive")
+        modes = [f"{_x(s[f'{method}_b{b}_speedup_{m}'], '.2f')} {m}"
+                 for m in ("always", "adaptive") if s.get(f"{method}_b{b}_speedup_{m}")]
+        if modes:
+            parts.append(f"{what} " + " / ".join(modes))
+    floor = s.get("min_speedup_adaptive")
     return (f"batch {b}: " + "; ".join(parts or ["?"])
-            + f"; adaptive never below {_x(s.get('min_speedup_adaptive'), '.2f')} at any batch"
+            + (f"; adaptive never below {_x(floor, '.2f')} at any batch" if floor else "")
             + f"; a verify step costs {_x(s.get(f'ngram_b{b}_verify_decode_cost'), '.2f')} a "
               "decode step (n-gram)"
             + ("; greedy output identical" if s.get("all_identical", True) else

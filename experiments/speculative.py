@@ -500,8 +500,9 @@ def summarize(rows: list[dict]) -> dict:
         if r["batch"] == min(x["batch"] for x in rows):
             out[f"{r['method']}_b{r['batch']}_speedup_{tag}"] = r["speedup"]["median"]
             out[f"{r['method']}_b{r['batch']}_mean_accepted_{tag}"] = r["mean_accepted_length"]
-            if not r["adaptive"]:
-                out[f"{r['method']}_b{r['batch']}_verify_decode_cost"] = r["verify_decode_cost"]
+            cost = f"{r['method']}_b{r['batch']}_verify_decode_cost"
+            if not r["adaptive"] or cost not in out:  # always verifying's, else the adaptive's
+                out[cost] = r["verify_decode_cost"]
     adaptive = [r for r in rows if r["adaptive"]]
     if adaptive:
         worst = min(adaptive, key=lambda r: r["speedup"]["median"])

@@ -152,6 +152,25 @@ def test_report_collects_the_table_and_updates_the_readme(smoke_results, tmp_pat
     assert "| PagedAttention |" in text
 
 
+def test_speculative_summary_of_a_run_that_measured_one_policy():
+    """A run with ``--config.adaptive=true`` only: the report's cell names what it measured
+    (no "?" for the missing always-verify rows), with the adaptive verify cost."""
+    from experiments.report import spec_cell
+    from experiments.speculative import summarize
+
+    def row(batch, adaptive, speedup, cost):
+        return {"batch": batch, "adaptive": adaptive, "method": "ngram", "identical": True,
+                "speedup": {"median": speedup}, "mean_accepted_length": 1.2,
+                "verify_decode_cost": cost}
+
+    only = spec_cell(summarize([row(1, True, 1.9, 1.15), row(32, True, 0.99, 5.9)]))
+    assert "?" not in only
+    assert "1.90x adaptive" in only and "always" not in only and "1.15x a decode" in only
+    assert "never below 0.99x" in only
+    both = spec_cell(summarize([row(1, True, 1.8, 1.2), row(1, False, 2.0, 1.1)]))
+    assert "2.00x always / 1.80x adaptive" in both and "1.10x a decode" in both
+
+
 @pytest.mark.parametrize("script", ["scripts/gpu_check.sh", "scripts/bench_vllm_cpu.sh"])
 def test_shell_scripts_parse(script):
     assert subprocess.run(["bash", "-n", os.path.join(ROOT, script)]).returncode == 0
