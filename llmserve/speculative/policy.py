@@ -77,7 +77,6 @@ class SpeculationPolicy:
         self.prior = [prior] + [prior_after] * (k - 1)  # engine-wide, learned from every row
         self.hits: dict[int, list[float]] = {}  # seq -> discounted accepted drafts at j
         self.trials: dict[int, list[float]] = {}  # seq -> discounted tested drafts at j
-        self.rate: dict[int, list[float]] = {}  # seq -> p_j (shrunk toward the prior)
         self.steps: dict[int, int] = {}
         self.paused: dict[int, int] = {}  # seq -> its steps since it stopped proposing
         self.probing: set[int] = set()  # paused long enough: proposing once more
@@ -85,7 +84,17 @@ class SpeculationPolicy:
         self.t_verify: dict[int, float] = {}
 
     def _rates(self, seq_id: int) -> list[float]:
-        return self.rate.get(seq_id, self.prior)
+        """p_j of a request: its record shrunk toward the current engine-wide rates."""
+        if seq_id not in self.hits:
+            return self.prior
+        m = self.shrink
+        return [(h + m * p) / (n + m)
+                for h, n, p in zip(self.hits[seq_id], self.trials[seq_id], self.prior)]
+
+    @property
+    def rate(self) -> dict[int, list[float]]:
+        """seq -> p_j, for every request with a record (derived from hits and trials)."""
+        return {s: self._rates(s) for s in self.hits}
 
     def proposes(self, seq_id: int) -> bool:
         """False while a request that has shown it rarely accepts drafts is paused."""
@@ -149,8 +158,6 @@ class SpeculationPolicy:
             hits[j] = self.decay * hits[j] + hit
             trials[j] = self.decay * trials[j] + 1.0
             self.prior[j] = self.prior_decay * self.prior[j] + (1 - self.prior_decay) * hit
-        m = self.shrink
-        self.rate[seq_id] = [(h + m * p) / (n + m) for h, n, p in zip(hits, trials, self.prior)]
         self.steps[seq_id] = self.steps.get(seq_id, 0) + 1
 
     def time(self, kind: str, bucket: int, seconds: float) -> None:
@@ -159,7 +166,6 @@ class SpeculationPolicy:
         table[bucket] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
     def forget(self, seq_id: int) -> None:
-        self.rate.pop(seq_id, None)
         self.hits.pop(seq_id, None)
         self.trials.pop(seq_id, None)
         self.probing.discard(seq_id)
