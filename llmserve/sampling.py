@@ -85,6 +85,17 @@ def _maybe_penalize(
     ``history`` = (counts table [S, V], prompt-mask table [S, V], rows [B]): the rows are gathered
     inside the cond, so a step without penalties never reads the [B, V] history at all.
     """
+    return _penalized_then(lambda x: x, logits, arrays, output_counts, prompt_mask, history)
+
+
+def _penalized_then(fn, logits: Array, arrays: SamplingArrays, output_counts: Array | None,
+                    prompt_mask: Array | None,
+                    history: tuple[Array, Array, Array] | None = None):
+    """fn(the penalized logits), with apply_penalties behind a cond as in ``_maybe_penalize``.
+
+    fn runs inside both branches, so when it returns [B]-sized results (``sample``'s tokens)
+    the cond never outputs a [B, V] copy of the logits (XLA:CPU copies a branch's [B, V]
+    result: two ~2.5 ms copies per step at 32 rows, measured)."""
     logits = logits.astype(jnp.float32)
     if history is not None:
         if output_counts is not None or prompt_mask is not None:
@@ -92,7 +103,7 @@ def _maybe_penalize(
         counts_table, mask_table, rows = history
         gather = lambda: (counts_table[rows], mask_table[rows])  # noqa: E731  (inside the cond)
     elif output_counts is None and prompt_mask is None:
-        return logits
+        return fn(logits)
     else:
         counts = jnp.zeros(logits.shape, jnp.int32) if output_counts is None else output_counts
         mask = jnp.zeros(logits.shape, jnp.bool_) if prompt_mask is None else prompt_mask
@@ -104,8 +115,8 @@ def _maybe_penalize(
     )
     return jax.lax.cond(
         jnp.any(active),
-        lambda x: apply_penalties(x, arrays, *gather()),
-        lambda x: x,
+        lambda x: fn(apply_penalties(x, arrays, *gather())),
+        fn,
         logits,
     )
 
@@ -113,9 +124,16 @@ def _maybe_penalize(
 def argmax(x: Array) -> Array:
     """First index of the row maximum, [B, V] -> [B] i32.
 
-    Same result as jnp.argmax, but two plain float reductions: XLA:CPU's variadic
-    (value, index) reduce is several times slower on [32, 49152].
+    Same result as jnp.argmax. On CPU, the native kernel (``cpu_kernels.row_argmax_cpu``: one
+    pass per row, 0.04 against 0.19 ms for a verify step's 10 rows of 49,152 logits standalone,
+    ~1 ms inside a step); elsewhere two plain float reductions: XLA:CPU's variadic (value,
+    index) reduce is several times slower on [32, 49152].
     """
+    if x.ndim == 2 and x.shape[-1] and jax.default_backend() == "cpu":
+        from llmserve.ops import cpu_kernels
+
+        if cpu_kernels.available():
+            return cpu_kernels.row_argmax_cpu(x.astype(jnp.float32))
     top = jnp.max(x, axis=-1, keepdims=True)  # [B, 1]
     iota = jnp.arange(x.shape[-1], dtype=jnp.float32)  # exact for V < 2**24
     return jnp.min(jnp.where(x == top, iota, jnp.inf), axis=-1).astype(jnp.int32)
@@ -383,16 +401,19 @@ def sample(
     ``want_top`` [B] bool: the top-n search runs only when some row asks for it (zeros else).
     """
     logits = logits.astype(jnp.float32)
-    penalized = _maybe_penalize(logits, arrays, output_counts, prompt_mask, history)  # [B, V]
     greedy = _is_greedy(arrays)
-    greedy_tokens = argmax(penalized)  # [B]
 
-    def draw(x):
-        processed = _scale_and_filter(x, arrays)
-        uniform = jax.vmap(jax.random.uniform)(request_keys(arrays.seed, positions))  # [B]
-        return jnp.where(greedy, greedy_tokens, _inverse_cdf(processed, uniform))
+    def pick(penalized):  # [B, V] -> [B] (inside the penalty cond: no [B, V] result)
+        greedy_tokens = argmax(penalized)
 
-    tokens = jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, draw, penalized)
+        def draw(x):
+            processed = _scale_and_filter(x, arrays)
+            uniform = jax.vmap(jax.random.uniform)(request_keys(arrays.seed, positions))  # [B]
+            return jnp.where(greedy, greedy_tokens, _inverse_cdf(processed, uniform))
+
+        return jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, draw, penalized)
+
+    tokens = _penalized_then(pick, logits, arrays, output_counts, prompt_mask, history)
 
     lse = logsumexp(logits, fixed_order)  # [B]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]

@@ -413,3 +413,44 @@ def test_top_k_equals_lax_top_k(kind, shape):
         np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
         assert ids.dtype == jnp.int32
+
+
+# ------------------------------------------------------------------------- native row argmax
+@pytest.mark.parametrize("b,v", [(1, 49152), (10, 49152), (33, 1000), (3, 17), (4, 1), (6, 31)])
+def test_native_row_argmax_equals_jnp_argmax(b, v):
+    """The native greedy argmax (one pass per row, rows over the thread pool) against
+    jnp.argmax on random rows with ties (the first index wins), a NaN (its first index wins,
+    as jnp.argmax), an all -inf row (index 0) and vocabularies that are not a multiple of the
+    16-lane vector (the masked tail)."""
+    from llmserve.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    rng = np.random.default_rng(b * 1000 + v)
+    x = rng.standard_normal((b, v)).astype(np.float32)
+    x[0, v // 2] = 50.0
+    if v > 3:
+        x[-1, 1] = x[-1, v - 1] = x[-1, 2] = 60.0  # a three-way tie
+    if b > 2:
+        x[1] = -np.inf
+    if b > 3:
+        x[2, v - 1] = np.nan
+        x[2, 0] = 1e30
+        x[3, : v // 2] = x[3, v // 2:][: v // 2]  # duplicated halves: the first copy wins
+    got = np.asarray(jax.jit(cpu_kernels.row_argmax_cpu)(x))
+    np.testing.assert_array_equal(got, np.asarray(cpu_kernels.row_argmax_reference(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+
+
+def test_greedy_argmax_runs_the_native_kernel_on_cpu():
+    """sampling.argmax (the greedy token of ``sample`` and of the verifier) lowers to the
+    native kernel on CPU and gives jnp.argmax's tokens through ``sample``."""
+    from llmserve.ops import cpu_kernels
+
+    if jax.default_backend() != "cpu" or not cpu_kernels.available():
+        pytest.skip("the native kernels run on CPU only")
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 300)), jnp.float32)
+    assert "llmserve_row_argmax_cpu" in jax.jit(sampling.argmax).lower(x).as_text()
+    arrays = SamplingArrays.neutral(5)
+    out = jax.jit(lambda x: sampling.sample(x, arrays, jnp.zeros(5, jnp.int32)))(x)
+    np.testing.assert_array_equal(out.tokens, np.argmax(np.asarray(x), axis=-1))
