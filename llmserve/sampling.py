@@ -95,7 +95,7 @@ def _penalized_then(fn, logits: Array, arrays: SamplingArrays, output_counts: Ar
 
     fn runs inside both branches, so when it returns [B]-sized results (``sample``'s tokens)
     the cond never outputs a [B, V] copy of the logits (XLA:CPU copies a branch's [B, V]
-    result: two ~2.5 ms copies per step at 32 rows, measured)."""
+    result; ``sample`` alone at 32 rows: 1.2 -> 0.8 ms with the native argmax)."""
     logits = logits.astype(jnp.float32)
     if history is not None:
         if output_counts is not None or prompt_mask is not None:
@@ -125,8 +125,8 @@ def argmax(x: Array) -> Array:
     """First index of the row maximum, [B, V] -> [B] i32.
 
     Same result as jnp.argmax. On CPU, the native kernel (``cpu_kernels.row_argmax_cpu``: one
-    pass per row, 0.04 against 0.19 ms for a verify step's 10 rows of 49,152 logits standalone,
-    ~1 ms inside a step); elsewhere two plain float reductions: XLA:CPU's variadic (value,
+    pass per row, 0.04 against 0.19 ms for a verify step's 10 rows of 49,152 logits, jitted
+    alone); elsewhere two plain float reductions: XLA:CPU's variadic (value,
     index) reduce is several times slower on [32, 49152].
     """
     if x.ndim == 2 and x.shape[-1] and jax.default_backend() == "cpu":

@@ -14,8 +14,8 @@ differently in different fusions, so one logits row's log-sum-exp could differ b
 a decode step and a verify step; the batch-invariant mode takes it from here instead.
 
 Row argmax (``row_argmax_cpu``): the greedy token of every row. XLA:CPU runs it as two
-reductions over the vocabulary at 2-4 GB/s (~1 ms for a verify step's 10 rows of 49,152
-logits); the kernel makes one pass per row, rows spread over XLA's thread pool.
+reductions over the vocabulary (0.19 ms for a verify step's 10 rows of 49,152 logits, jitted
+alone); the kernel makes one pass per row, rows spread over XLA's thread pool.
 
 Build: the first call compiles the source with the system C++ compiler (``$CXX``, else ``g++``,
 ``-O3 -march=native``) into a cache directory (``$LLMSERVE_CACHE_DIR``, else

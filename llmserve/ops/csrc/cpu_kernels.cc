@@ -1390,8 +1390,8 @@ ffi::Error RowLogsumexpImpl(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi
 
 // Row argmax, jnp.argmax's result: the first index of the row maximum, or of the first NaN
 // when the row has one. Why: XLA:CPU runs the greedy argmax over the vocabulary as two
-// reductions (the maximum, then the first index equal to it) at 2-4 GB/s, ~1 ms for a verify
-// step's 10 rows of 49,152 logits; here each row is one pass at memory speed. Each lane keeps
+// reductions (the maximum, then the first index equal to it), 0.19 ms for a verify step's 10
+// rows of 49,152 logits jitted alone; here each row is one pass (0.04 ms). Each lane keeps
 // its first strict maximum and its index; the lanes then give the maximum and, among the lanes
 // holding it, the smallest index. Rows are spread over the thread pool.
 int32_t FirstNan(const float* row, int64_t v) {
