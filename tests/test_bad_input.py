@@ -170,20 +170,24 @@ def test_llm_constructor_rejects_bad_knobs(kw, exc, match):
         tiny_llm(**kw)
 
 
-def test_llm_accepts_the_canonical_vllm_snippet():
+def test_llm_accepts_the_canonical_vllm_snippet(monkeypatch):
+    # The memory reading is pinned: MemAvailable moves between the engine's read and
+    # the test's when other tests run beside it (CI saw a 1.002% drift).
+    import llmserve.engine as engine_mod
+
+    memory = 20 * 2**30
+    monkeypatch.setattr(engine_mod, "device_memory_bytes", lambda: memory)
     llm = tiny_llm(gpu_memory_utilization=0.01, max_model_len=256,
                    speculative_model="[ngram]", num_speculative_tokens=3)
     eng = llm.engine
     assert eng.config.max_model_len == 256 and eng.spec.num_speculative_tokens == 3
     assert eng.spec.method == "ngram"
-    from llmserve.runner import device_memory_bytes
-
     weights = sum(x.size * x.dtype.itemsize for x in
                   __import__("jax").tree_util.tree_leaves(eng.runner.params))
     cfg = eng.cfg
     per_page = 2 * cfg.n_layers * cfg.n_kv_heads * 16 * cfg.head_dim * 4
-    want = int((0.01 * device_memory_bytes() - weights) // per_page)
-    assert abs(eng.blocks.num_pages - want) <= max(2, want // 100)  # memory moves a little
+    want = int((0.01 * memory - weights) // per_page)
+    assert eng.blocks.num_pages == want
 
 
 def test_checkpoint_and_config_loading_errors(tmp_path):
