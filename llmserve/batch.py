@@ -86,6 +86,9 @@ class ScheduledRow:
     # placeholders that a draft model's device output replaces inside the step).
     carry_feature: bool = False  # EAGLE: the slot holds this row's h_{start-1} (continuing)
     top_logprobs: bool = False  # the request asked for its top-n logprobs
+    # Async scheduling: tokens[0] is a placeholder; the step takes the token its slot emitted
+    # last (the previous step's, still on the device when this step was built).
+    feed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +127,7 @@ class StepInput(_Pytree):
     sampling: SamplingArrays  # [R] per-row parameters
     num_draft: Array  # [R] int32: drafts a verify row carries (0 elsewhere)
     want_top: Array  # [R] bool: the row's request asked for top-n logprobs (else top-k skipped)
+    feed: Array  # [N] int32: the slot whose last emitted token replaces this token, else -1
     per_token: Optional[PartMetadata] = None  # batch-invariant mode: one query per token
     head: Optional[HeadInput] = None  # an EAGLE head runs inside the step
     verify: bool = dataclasses.field(default=False, metadata=STATIC)  # parts[0] verifies
@@ -338,6 +342,7 @@ class BatchBuilder:
         suppress_until = np.zeros(r, np.int32)
         num_draft = np.zeros(r, np.int32)
         want_top = np.zeros(r, bool)
+        feed = np.full(n, -1, np.int32)
         head = self.head
         if head:  # where the EAGLE head's input features come from
             prev = np.full(n, -1, np.int32)
@@ -364,6 +369,8 @@ class BatchBuilder:
                 pos = spec.start + np.arange(k)
                 table = np.asarray(spec.block_table, np.int32)
                 tokens[base:base + k] = spec.tokens
+                if spec.feed:
+                    feed[base] = spec.slot
                 positions[base:base + k] = pos
                 write_page[base:base + k] = table[pos // size]
                 write_offset[base:base + k] = pos % size
@@ -403,7 +410,7 @@ class BatchBuilder:
                          sample_index=sample_index, sample_pos=sample_pos, slot_ids=slot_ids,
                          emit=emit, suppress_ids=suppress_ids, suppress_until=suppress_until,
                          sampling=SamplingArrays.from_lists(rows_sampling),
-                         num_draft=num_draft, want_top=want_top, head=head_input,
+                         num_draft=num_draft, want_top=want_top, feed=feed, head=head_input,
                          verify=verify)
 
     def _per_token(self, metas, positions: np.ndarray, write_page: np.ndarray) -> PartMetadata:

@@ -23,7 +23,7 @@ from llmserve.config import ModelConfig
 from llmserve.outputs import OutputProcessor, RequestOutput, RequestState
 from llmserve.runner import Runner, device_memory_bytes, fetch, tree_bytes
 from llmserve.sampling_params import SamplingParams, child_seed, request_seed
-from llmserve.scheduler import Plan, Scheduler
+from llmserve.scheduler import Plan, Scheduler, Status
 from llmserve.scheduler import Sequence as Seq
 from llmserve.speculative.controller import (
     SpeculationController,
@@ -74,6 +74,11 @@ class EngineConfig:
     # replicas, each with its own slots and pages (llmserve/data_parallel.py routes to them).
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # vLLM's knob: schedule and launch step n + 1 before step n's tokens reach the host (the
+    # device feeds each row its slot's last token), then process step n's outputs while step
+    # n + 1 runs. Plain decoding only: with speculation (whose drafts need the tokens on the
+    # host) or multi-host serving the engine steps synchronously.
+    async_scheduling: bool = True
 
     def validate(self) -> None:
         """Raises TypeError/ValueError naming the first bad field (before anything is built)."""
@@ -99,8 +104,9 @@ class EngineConfig:
         check("data_parallel_size", lambda v: v >= 1, "must be an int >= 1")
         check("gpu_memory_utilization", lambda v: 0 < v <= 1, "must be in (0, 1]",
               optional=True, kind=float)
-        if not isinstance(self.prefill_first, bool):
-            raise TypeError(f"EngineConfig.prefill_first={self.prefill_first!r}: must be bool")
+        for flag in ("prefill_first", "async_scheduling"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"EngineConfig.{flag}={getattr(self, flag)!r}: must be bool")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"EngineConfig.scheduling={self.scheduling!r}: use 'continuous' "
                              "or 'static'")
@@ -210,12 +216,15 @@ class Engine:
         self.requests = self.outputs.requests  # request_id -> RequestState, while in flight
         self._counter = 0
         self._aborted: list[RequestOutput] = []  # final outputs the next step() reports
-        self._inflight: Optional[Plan] = None
+        self._inflight: list[Plan] = []  # launched, outputs not yet processed (``recover``)
+        self._ahead: Optional[_Launched] = None  # async scheduling: the step in flight
         # Speculation's hooks (each does nothing when speculative_config is None).
         self.speculation = SpeculationController(
             config.speculative_config, cfg=cfg, runner=self.runner, scheduler=self.scheduler,
             stats=self.stats, requests=self.requests, num_pages=num_pages,
             page_size=config.page_size, max_model_len=config.max_model_len, backend=backend)
+        self.async_scheduling = (config.async_scheduling and self.spec is None
+                                 and runner_cls is Runner)
 
     @property
     def spec(self):
@@ -353,11 +362,13 @@ class Engine:
         so no other accepted request is lost. The cache and sampler state are rebuilt (the
         failed step may have consumed the donated buffers) and the prefix cache is dropped.
         """
-        plan, self._inflight = self._inflight, None
+        plans, self._inflight, self._ahead = self._inflight, [], None
         failed = set()
-        if plan is not None:
-            failed = ({s.request_id for s in plan.decode}
-                      | {c.seq.request_id for c in plan.prefill})
+        for plan in plans:
+            failed |= ({s.request_id for s in plan.decode}
+                       | {c.seq.request_id for c in plan.prefill})
+        for seq in self.scheduler.running + list(self.scheduler.waiting):
+            seq.pending = 0  # tokens of a failed step never arrive (their requests abort)
         for rid in sorted(failed):
             self.abort(rid)
         for seq in list(self.scheduler.running):
@@ -379,11 +390,16 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run one device step, turn its tokens into outputs.
 
-        Returns every request that progressed (and those aborted since the last step).
+        Returns every request that progressed (and those aborted since the last step). With
+        async scheduling the step launched here is processed by the next call, and this call
+        returns the outputs of the step launched before it (while this one runs).
         """
         plan = self._schedule()
-        results = self._execute(plan)
-        return self._process(results)
+        if not self.async_scheduling:
+            return self._process(self._collect(self._launch(plan)))
+        launched = self._launch(plan, optimistic=True)
+        done, self._ahead = self._ahead, launched
+        return self._process(self._collect(done), optimistic=True)
 
     def _schedule(self) -> Plan:
         lookahead = self.speculation.lookahead()
@@ -391,14 +407,18 @@ class Engine:
                                        self.config.max_model_len)
         plan.lookahead = lookahead
         self.stats["preemptions"] += len(plan.preempted)
-        self._inflight = plan  # until its outputs are processed (see ``recover``)
         return plan
 
-    def _execute(self, plan: Plan) -> list[tuple]:
-        """Runs the plan as ONE device step (decode or verify rows beside prefill chunks);
-        returns (kind, rows, row offset, host result) per kind of row, fetched in one transfer."""
+    def _launch(self, plan: Plan, optimistic: bool = False) -> Optional["_Launched"]:
+        """Dispatches the plan as ONE device step (decode or verify rows beside prefill
+        chunks) without waiting for it (None: nothing to run).
+
+        ``optimistic`` (async scheduling): a decode row whose last token is still in flight
+        takes it on the device (``ScheduledRow.feed``), and the sequences' state moves on now
+        as if the step had returned: K/V counted computed, each emitted token ``pending``."""
         if plan.empty:
-            return []
+            return None
+        self._inflight.append(plan)  # until its outputs are processed (see ``recover``)
         self.runner.copy_pages(plan.copies)
         self.speculation.copy_pages(plan.copies)
         fresh = self._init_penalty_rows(plan)
@@ -415,8 +435,7 @@ class Engine:
             verify = False  # too few drafts (n-gram found few or none): plain is cheaper
         if not verify:
             self.speculation.shadow(plan.decode, decode or None)
-            decode = [self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
-                      for seq in plan.decode]
+            decode = [self._decode_row(seq) for seq in plan.decode]
         self.speculation.tick(plan.decode)
         for row in decode:
             row.carry_feature = True  # a running sequence's last feature is in its slot
@@ -425,17 +444,49 @@ class Engine:
                                     head_drafts=self.speculation.head_drafts())
         self._count(batch, decode, prefill)
         drafts, probs = self.speculation.drafts(plan, batch, verify)
-        result = fetch(self.runner.run(batch, drafts, probs))  # one transfer for the step
-        self.speculation.timed(plan, batch, verify, time.perf_counter() - t0)
-        self.stats["steps"] += 1
-        offset = batch.parts[0].block_tables.shape[0] if decode else 0
-        return [("decode", plan.decode, 0, result, verify),
-                ("prefill", plan.prefill, offset, result, False)]
+        result = self.runner.run(batch, drafts, probs)  # dispatched; the device runs on
+        fed = sum(r.feed for r in decode)
+        if fed:
+            self.stats["fed_rows"] = self.stats.get("fed_rows", 0) + fed
+        if optimistic:
+            for c in plan.prefill:
+                c.seq.num_computed += c.length
+                c.seq.pending += c.final
+            for seq in plan.decode:
+                seq.num_computed += 1
+                seq.pending += 1
+        return _Launched(plan, batch, result, verify, t0,
+                         batch.parts[0].block_tables.shape[0] if decode else 0)
 
-    def _process(self, results: list[tuple]) -> list[RequestOutput]:
-        """Commits computed tokens, appends sampled ones (stop checks), builds the outputs."""
+    def _decode_row(self, seq: Seq) -> ScheduledRow:
+        """A plain decode row: the sequence's last token (on the device when still pending)."""
+        if seq.pending:
+            row = self._row(seq, seq.num_tokens + seq.pending - 1, [0], True)
+            row.feed = True
+            return row
+        return self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
+
+    def _collect(self, launched: Optional["_Launched"]) -> list[tuple]:
+        """Waits for a launched step; returns (kind, rows, row offset, host result, verify)
+        per kind of row, fetched in one transfer."""
+        if launched is None:
+            return []
+        plan, batch, verify = launched.plan, launched.batch, launched.verify
+        result = fetch(launched.result)  # one transfer for the step
+        self.speculation.timed(plan, batch, verify, time.perf_counter() - launched.t0)
+        self.stats["steps"] += 1
+        self._inflight.remove(plan)
+        return [("decode", plan.decode, 0, result, verify),
+                ("prefill", plan.prefill, launched.offset, result, False)]
+
+    def _process(self, results: list[tuple], optimistic: bool = False) -> list[RequestOutput]:
+        """Commits computed tokens, appends sampled ones (stop checks), builds the outputs.
+
+        ``optimistic``: the step was launched by ``_launch(optimistic=True)``, which already
+        counted its K/V; each emitted token stops being pending here, and a sequence that
+        finished or was preempted since keeps its token only if it was still being generated
+        (the row of a finished sequence is discarded)."""
         aborted, self._aborted = self._aborted, []
-        self._inflight = None
         touched: dict[str, RequestState] = {}
         for kind, rows, offset, res, verify in results:
             if verify:
@@ -446,6 +497,19 @@ class Engine:
                 seq = row if kind == "decode" else row.seq
                 touched[seq.request_id] = self.requests.get(seq.request_id)
                 j = offset + i
+                if optimistic:
+                    emits = kind == "decode" or row.final
+                    seq.pending -= emits
+                    if seq.finished:
+                        continue
+                    if seq.status == Status.RUNNING:  # (not preempted since)
+                        self.blocks.commit(seq.seq_id, seq.all_ids,
+                                           min(seq.num_computed, seq.num_tokens))
+                    if not emits:
+                        continue
+                    self.outputs.append(seq, int(res.tokens[j, 0]), float(res.logprobs[j, 0]),
+                                        zip(res.top_ids[j, 0], res.top_logprobs[j, 0]))
+                    continue
                 if kind == "prefill":
                     seq.num_computed += row.length
                     self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_computed)
@@ -493,9 +557,10 @@ class Engine:
                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                 repetition_penalty=p.repetition_penalty, seed=seq.seed),
             top_logprobs=bool(p.logprobs))
-        if len(seq.output_ids) < p.min_tokens:
+        n_out = len(seq.output_ids) + seq.pending
+        if n_out < p.min_tokens:
             row.suppress_ids = sorted(self.outputs.stop_ids(seq))
-            row.suppress_until = p.min_tokens - len(seq.output_ids)
+            row.suppress_until = p.min_tokens - n_out
         return row
 
     def _count(self, batch, decode: list[ScheduledRow], prefill: list[ScheduledRow]) -> None:
@@ -530,3 +595,15 @@ class Engine:
             used += seq.num_tokens
         return {"reserved_slots": reserved, "used_slots": used}
 
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step dispatched to the device whose outputs the host has not taken yet."""
+
+    plan: Plan
+    batch: object  # its host StepInput
+    result: object  # its device StepOutput
+    verify: bool
+    t0: float  # when its host work began
+    offset: int  # the prefill rows' first sampled row

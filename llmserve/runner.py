@@ -54,15 +54,18 @@ for _cls in (HeadInput, StepInput, StepOutput):
 
 @flax.struct.dataclass
 class SamplerState:
-    """Per-slot token statistics for penalties; row ``max_slots`` is the padding row."""
+    """Per-slot token statistics for penalties, and each slot's last emitted token (async
+    scheduling feeds it to the slot's next step); row ``max_slots`` is the padding row."""
 
     counts: Array  # [S + 1, V] int32: how often each token was generated
     prompt_mask: Array  # [S + 1, V] bool: tokens present in the prompt
+    last: Array  # [S + 1] int32: the token the slot emitted last
 
     @classmethod
     def create(cls, max_slots: int, vocab_size: int) -> "SamplerState":
         return cls(counts=jnp.zeros((max_slots + 1, vocab_size), jnp.int32),
-                   prompt_mask=jnp.zeros((max_slots + 1, vocab_size), bool))
+                   prompt_mask=jnp.zeros((max_slots + 1, vocab_size), bool),
+                   last=jnp.zeros(max_slots + 1, jnp.int32))
 
 
 @flax.struct.dataclass
@@ -170,6 +173,10 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
     fixed_order = min_rows > 1  # the batch-invariant mode: logprobs in a fixed order too
     if eagle is not None and inp.verify:
         drafts = eagle.drafts[inp.slot_ids[: inp.parts[0].block_tables.shape[0]]]
+    # Async scheduling: a row built before its previous token reached the host takes that
+    # token here, from its slot's last emitted token (the previous step ran first).
+    inp = inp.replace(tokens=jnp.where(inp.feed >= 0, sstate.last[jnp.maximum(inp.feed, 0)],
+                                       inp.tokens))
     # A sequence's sampler row was filled from its tokens when it was (re)admitted
     # (``init_sampler_rows``); each step only adds the tokens it emits.
     r = inp.sample_index.shape[0]
@@ -237,6 +244,12 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
                 num_accepted=jnp.concatenate([ver.num_accepted,
                                               jnp.zeros(r - bv, jnp.int32)]))
         sstate = sstate.replace(counts=sstate.counts.at[inp.slot_ids].set(new_counts))
+    # Each emitting row's newest token (a verify row's: after its accepted drafts) is its
+    # slot's last token; rows that emit nothing write the padding row.
+    newest = result.tokens[jnp.arange(r), result.num_accepted]
+    pad_slot = sstate.last.shape[0] - 1
+    sstate = sstate.replace(last=sstate.last.at[jnp.where(inp.emit, inp.slot_ids, pad_slot)].set(
+        newest))
     if eagle is not None:
         eagle = _eagle_after_step(params, eagle, inp, hidden[0], result, eagle_cfg, backend)
         return result, cache, sstate, eagle
@@ -328,8 +341,8 @@ def _init_sampler_rows(sstate: SamplerState, slots: Array, ids: Array, n_prompt:
     pmask = jnp.zeros((r, v), bool).at[rows, ids].max(pos < n_prompt[:, None])
     counts = jnp.zeros((r, v), jnp.int32).at[rows, ids].add(
         ((pos >= n_prompt[:, None]) & (pos < n_total[:, None])).astype(jnp.int32))
-    return SamplerState(counts=sstate.counts.at[slots].set(counts),
-                        prompt_mask=sstate.prompt_mask.at[slots].set(pmask))
+    return sstate.replace(counts=sstate.counts.at[slots].set(counts),
+                          prompt_mask=sstate.prompt_mask.at[slots].set(pmask))
 
 
 def copy_cache_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:

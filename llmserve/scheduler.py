@@ -60,6 +60,9 @@ class Sequence:
     num_preemptions: int = 0
     cache_salt: Optional[str] = None  # prefix-cache tenant: only equal salts share pages
     admitted: bool = False  # set when (re)admitted; the engine clears it once it has seen it
+    # Async scheduling: tokens sampled by a step in flight, not yet in output_ids (their K/V
+    # inputs are known to the device only). The scheduler counts them as tokens.
+    pending: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -72,7 +75,17 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         """True while some K/V before the last token still has to be computed."""
-        return self.num_computed < self.num_tokens - 1 or not self.output_ids
+        return (self.num_computed < self.num_tokens + self.pending - 1
+                or not (self.output_ids or self.pending))
+
+    def ends_with_pending(self, max_len: int | None) -> bool:
+        """Whether the token in flight is the sequence's last by length (max_tokens or
+        max_model_len): async scheduling then gives it no further step."""
+        if not self.pending:
+            return False
+        n_out = len(self.output_ids) + self.pending
+        return ((self.params.max_tokens is not None and n_out >= self.params.max_tokens)
+                or (max_len is not None and self.num_tokens + self.pending >= max_len))
 
     @property
     def finished(self) -> bool:
@@ -210,15 +223,19 @@ class Scheduler:
     def _batch_forming(self) -> bool:
         """The prefill-first rule. A batch starts forming when every waiting request fits the
         free slots and the prompts still to compute (waiting and partly prefilled) need more
-        than one step (more tokens than the budget, or more chunks than a step carries); it
+        than one step (more tokens than the budget, more chunks than a step carries, or a
+        prompt longer than ``max_chunk``); it
         keeps forming, as static batching's does, until a step finds nothing left to prefill,
         or until more requests wait than slots are free."""
         if self.waiting and len(self.waiting) > len(self.free_slots):
             self.forming = False
         elif not self.forming and self.waiting:
             todo = list(self.waiting) + [s for s in self.running if s.in_prefill]
-            pending = sum(s.num_tokens - s.num_computed for s in todo)
-            self.forming = pending > self.budget or len(todo) > self.max_prefill_rows
+            left = [s.num_tokens - s.num_computed for s in todo]
+            # More than one step: more tokens than the budget, more chunks than a step
+            # carries, or a prompt longer than one chunk may be.
+            self.forming = (sum(left) > self.budget or len(todo) > self.max_prefill_rows
+                            or max(left) > self.max_chunk)
         return self.forming
 
     def _prefill_only(self, copies) -> Plan | None:
@@ -242,7 +259,7 @@ class Scheduler:
     def _reserve_decode(self, copies, preempted, lookahead, max_len) -> list[Sequence]:
         decode: list[Sequence] = []
         for seq in list(self.running):
-            if seq.status != Status.RUNNING or seq.in_prefill:
+            if seq.status != Status.RUNNING or seq.in_prefill or seq.ends_with_pending(max_len):
                 continue
             extra = lookahead if max_len is None else min(lookahead, max_len - seq.num_tokens)
             while True:
@@ -280,6 +297,8 @@ class Scheduler:
         while (self.waiting and self.free_slots and budget > 0
                and len(prefill) < self.max_prefill_rows):
             seq = self.waiting[0]
+            if seq.pending:  # preempted with a token in flight: readmitted once it lands
+                break
             # A child that already has outputs (it was preempted) recomputes like any other.
             if seq.fork_from is not None and not seq.fork_from.finished and not seq.output_ids:
                 if self._room(prefill, 1) < 1 or not self._try_fork(seq, copies):

@@ -1,6 +1,6 @@
 """Scheduler invariants under random workloads (hypothesis), with the device simulated."""
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from llmserve.batch import BatchBuilder
@@ -121,6 +121,7 @@ def _plans(policy: str, prompt_lens: list[int], max_slots: int, prefill_first: b
 @settings(max_examples=60, deadline=None)
 @given(lens=st.lists(st.integers(1, 30), min_size=1, max_size=8), spare=st.integers(0, 3),
        new_tokens=st.integers(1, 6))
+@example(lens=[1, 9], spare=0, new_tokens=2)  # 10 tokens fit the budget, 9 not one chunk
 def test_prefill_first_runs_static_batchings_steps_when_every_request_fits(lens, spare,
                                                                            new_tokens):
     """All requests at once, all fitting the slots: continuous plans the very steps static does
