@@ -164,7 +164,12 @@ def build_llm(cfg, models: dict, workload: str, batch: int, spec: Optional[dict]
                max_num_batched_tokens=cfg.max_num_batched_tokens,
                backend=cfg.backend or None, decode_buckets=(batch,),
                prefill_buckets=tuple(tuple(b) for b in buckets),
-               speculative_config=spec, warmup=True)
+               speculative_config=spec, warmup=True,
+               # Lockstep timing needs each step() to finish its own device work: an async
+               # plain engine would leave its step running into the next engine's turn.
+               # Speculative engines step synchronously anyway; async scheduling's own gain
+               # on plain decoding is measured by experiments/throughput.py (llmserve_sync).
+               async_scheduling=False)
 
 
 def engine_of(llm):
