@@ -163,17 +163,22 @@ def profile(engine, cfg) -> dict:
             "device_thread_ms": device, "top_ops_ms": top.most_common(15)}
 
 
-def host_share(engine, cfg) -> float:
-    """Share of a step's wall time the device does not account for: everything but the wait
-    for the device's results (scheduling, building the host batch, moving it to the device,
-    dispatching the jitted call, processing outputs). The wait starts when the dispatch
-    returns; counting the whole synchronized ``runner.run`` as device time (before 2026-12-04)
-    left out the input transfer and the dispatch, ~1.5 ms a step on 2 CPU cores."""
+def host_share(engine, cfg) -> dict:
+    """How much of a step is host work, and how much of it async scheduling leaves exposed.
+
+    Synchronized steps (a wait right after each dispatch) give the device time of a step: the
+    wait for its results once the dispatch returns. Host work = 1 - device / (that step's
+    wall): scheduling, building the host batch, moving it to the device, dispatching the jitted
+    call, processing outputs (counting the whole synchronized ``runner.run`` as device time,
+    before 2026-12-04, left out the input transfer and the dispatch, ~1.5 ms a step on 2 CPU
+    cores). Exposed = 1 - device / (the engine's own step wall time, unsynchronized): near 0
+    when async scheduling hides the host work behind the device's. Rounds of each alternate
+    (the machine is shared and noisy)."""
     import jax
 
     runner = engine.runner
     step = runner.programs.step
-    waited = []
+    waited, synced, free = [], [], []
 
     def timed(*args, **kw):
         out = step(*args, **kw)
@@ -182,46 +187,25 @@ def host_share(engine, cfg) -> float:
         waited.append(time.perf_counter() - t0)
         return out
 
-    runner.programs.step = timed
-    try:
-        walls = []
+    for _ in range(3):
+        runner.programs.step = timed
+        try:
+            for _ in range(cfg.steps):
+                t0 = time.perf_counter()
+                engine.step()
+                synced.append(time.perf_counter() - t0)
+        finally:
+            runner.programs.step = step
         for _ in range(cfg.steps):
             t0 = time.perf_counter()
             engine.step()
-            walls.append(time.perf_counter() - t0)
-    finally:
-        runner.programs.step = step
-    return float(1 - np.sum(waited) / np.sum(walls))
-
-
-def exposed_host_share(engine, cfg) -> tuple[float, float, float]:
-    """Async scheduling's exposed host time: 1 - (device time of a step) / (the engine's step
-    wall time), where the device time is the throughput of the same batch launched back to
-    back (``steps`` launches, one wait at the end: no host work between them). Returns
-    (share, engine step ms, device step ms); a share near 0 means the host work is hidden."""
-    from llmserve.runner import wait
-
-    runner = engine.runner
-    batches = []
-    real_run = runner.run
-    runner.run = lambda batch, *a: batches.append(batch) or real_run(batch, *a)
-    try:
-        engine.step()
-    finally:
-        runner.run = real_run
-    walls, device = [], []
-    for _ in range(3):  # interleaved: the machine is shared and noisy
-        t0 = time.perf_counter()
-        for _ in range(cfg.steps):
-            out = runner.run(batches[-1])
-        wait(out)
-        device.append((time.perf_counter() - t0) / cfg.steps)
-        t0 = time.perf_counter()
-        for _ in range(cfg.steps):
-            engine.step()
-        walls.append((time.perf_counter() - t0) / cfg.steps)
-    wall, dev = float(np.median(walls)), float(np.median(device))
-    return 1 - dev / wall, wall * 1e3, dev * 1e3
+            free.append(time.perf_counter() - t0)
+    device = float(np.mean(waited))
+    return {"host_share": float(1 - device / np.mean(synced)),
+            "exposed_host_share": float(1 - device / np.mean(free)),
+            "synced_step_ms": float(np.mean(synced)) * 1e3,
+            "async_step_ms": float(np.mean(free)) * 1e3, "device_step_ms": device * 1e3,
+            "async_scheduling": bool(engine.async_scheduling)}
 
 
 def main(argv):
@@ -239,15 +223,14 @@ def main(argv):
         engine.warmup()
         fill(engine, cfg, mcfg.vocab_size)
         res = profile(engine, cfg)
-        res["host_share"] = host_share(engine, cfg)
-        (res["exposed_host_share"], res["async_step_ms"],
-         res["device_step_ms"]) = exposed_host_share(engine, cfg)
+        res.update(host_share(engine, cfg))
         results[backend] = res
         parts = ", ".join(f"{k} {v:.1f}" for k, v in res["parts_ms"].items())
         print(f"{backend}: step {res['wall_ms']:.1f} ms (min {res['wall_min_ms']:.1f}); device "
-              f"thread-ms: {parts}; host work {100 * res['host_share']:.1f}% of a synchronous "
-              f"step; async steps {res['async_step_ms']:.1f} ms against {res['device_step_ms']:.1f}"
-              f" ms of device time back to back: {100 * res['exposed_host_share']:.1f}% exposed",
+              f"thread-ms: {parts}; host work {100 * res['host_share']:.1f}% of a synchronized "
+              f"step ({res['synced_step_ms']:.1f} ms, device {res['device_step_ms']:.1f} ms); "
+              f"engine steps {res['async_step_ms']:.1f} ms: "
+              f"{100 * res['exposed_host_share']:.1f}% exposed",
               flush=True)
         del engine
     names = list(results)
@@ -271,9 +254,9 @@ def main(argv):
     notes = ["parts are thread time summed over both cores (shares of the work), from a "
              "jax.profiler trace; step wall time is measured without the profiler",
              "host work: 1 - (the wait for the device's results after each dispatch) / "
-             "(the step's wall time), each step synchronized",
-             "host exposed (async): 1 - (device time of the step's batch launched back to "
-             "back) / (the async engine's step wall time)"]
+             "(the step's wall time), each step synchronized right after its dispatch",
+             "host exposed (async): 1 - (the same device time) / (the engine's own step "
+             "wall time, async scheduling, unsynchronized); rounds alternate"]
     path = common.write_results(out, "step_profile", cfg, results, summary, notes, [png],
                                 table=table)
     shutil.rmtree(_DUMP_DIR, ignore_errors=True)
