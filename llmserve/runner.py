@@ -258,8 +258,12 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
 
 def _packed_step(params, cache: PagedKVCache, sstate: SamplerState, buf: Array,
                  drafts: Optional[Array] = None, draft_probs: Optional[Array] = None,
-                 eagle: Optional[EagleState] = None, *, layout: tuple, **static):
-    """``_step`` over a packed ``StepInput`` (``pack_inputs``)."""
+                 eagle: Optional[EagleState] = None, *, layout: tuple, param_tree=None,
+                 **static):
+    """``_step`` over a packed ``StepInput`` (``pack_inputs``). ``param_tree``: ``params`` is
+    the tuple of the weights' leaves, in that treedef's order (``Runner.run``)."""
+    if param_tree is not None:
+        params = jax.tree_util.tree_unflatten(param_tree, params)
     return _step(params, cache, sstate, unpack_inputs(buf, layout), drafts, draft_probs, eagle,
                  **static)
 
@@ -355,9 +359,9 @@ class StepPrograms:
     (owned by the engine: see ``llmserve.programs``)."""
 
     def __init__(self):
-        self.step = owned_jit(_packed_step, static_argnames=("layout", "cfg", "backend",
-                                                             "num_logprobs", "min_rows",
-                                                             "eagle_cfg"),
+        self.step = owned_jit(_packed_step, static_argnames=("layout", "param_tree", "cfg",
+                                                             "backend", "num_logprobs",
+                                                             "min_rows", "eagle_cfg"),
                               donate_argnames=("cache", "sstate", "eagle"))
         self.copy_pages = owned_jit(copy_cache_pages, donate_argnames=("cache",))
         self.init_rows = owned_jit(_init_sampler_rows, donate_argnames=("sstate",))
@@ -434,6 +438,20 @@ class Runner:
     # The buckets and the host batch belong to ``self.batches`` (llmserve.batch); these
     # delegates keep the runner the one object callers build steps with.
     @property
+    def params(self):
+        """The weights (a pytree of device arrays)."""
+        return self._params
+
+    @params.setter
+    def params(self, value) -> None:
+        # The step takes the weights as one flat tuple with a static treedef: jax flattens a
+        # tuple of ~270 arrays faster than the nested dicts on every dispatch (0.15-0.35 ms a
+        # step on 2 CPU cores, of ~1.1 ms).
+        self._params = value
+        leaves, self._param_tree = jax.tree_util.tree_flatten(value)
+        self._param_leaves = tuple(leaves)
+
+    @property
     def decode_buckets(self) -> list[int]:
         return self.batches.decode_buckets
 
@@ -497,14 +515,14 @@ class Runner:
         buf = self.put(buf)
         if self.eagle is not None:
             out, self.cache, self.sstate, self.eagle = self.programs.step(
-                self.params, self.cache, self.sstate, buf, None, None, self.eagle,
-                layout=layout, cfg=self.cfg, backend=self.backend,
+                self._param_leaves, self.cache, self.sstate, buf, None, None, self.eagle,
+                layout=layout, param_tree=self._param_tree, cfg=self.cfg, backend=self.backend,
                 num_logprobs=self.num_logprobs, min_rows=self.min_rows, eagle_cfg=self.eagle_cfg)
         else:
             out, self.cache, self.sstate = self.programs.step(
-                self.params, self.cache, self.sstate, buf, drafts, draft_probs, layout=layout,
-                cfg=self.cfg, backend=self.backend, num_logprobs=self.num_logprobs,
-                min_rows=self.min_rows)
+                self._param_leaves, self.cache, self.sstate, buf, drafts, draft_probs,
+                layout=layout, param_tree=self._param_tree, cfg=self.cfg, backend=self.backend,
+                num_logprobs=self.num_logprobs, min_rows=self.min_rows)
         return out if self.shardings is None else self.shardings.local(out)
 
     def put(self, tree):
@@ -517,9 +535,11 @@ class Runner:
         """The step for ``batch``'s shape, lowered (``.compile().as_text()`` is its HLO after
         partitioning: what experiments/sharding.py and the tests read for collectives)."""
         buf, layout = pack_inputs(batch)
-        return self.programs.step.lower(self.params, self.cache, self.sstate, self.put(buf),
-                                        layout=layout, cfg=self.cfg, backend=self.backend,
-                                        num_logprobs=self.num_logprobs, min_rows=self.min_rows)
+        return self.programs.step.lower(self._param_leaves, self.cache, self.sstate,
+                                        self.put(buf), layout=layout,
+                                        param_tree=self._param_tree, cfg=self.cfg,
+                                        backend=self.backend, num_logprobs=self.num_logprobs,
+                                        min_rows=self.min_rows)
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates page src into dst for each pair (padded to a bucket)."""

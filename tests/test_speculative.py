@@ -292,12 +292,17 @@ def test_ngram_longest_n_preferred_over_recent_shorter():
     assert n == 2 and list(toks) == [40, 41]
 
 
-def test_ngram_most_recent_match_and_short_continuation():
-    prop = NgramProposer(n_max=2, n_min=1, k=4)
+def test_ngram_earliest_or_latest_match_and_short_continuation():
+    prop = NgramProposer(n_max=2, n_min=1, k=4)  # the earliest match: vLLM's choice
     toks, n = prop.lookup([7, 8, 1, 7, 8, 2, 9, 7, 8])
+    assert n == 4 and list(toks) == [1, 7, 8, 2]
+    latest = NgramProposer(n_max=2, n_min=1, k=4, match="latest")
+    toks, n = latest.lookup([7, 8, 1, 7, 8, 2, 9, 7, 8])
     assert n == 4 and list(toks) == [2, 9, 7, 8]
-    toks, n = prop.lookup([3, 4, 9, 3, 4])  # continuation runs into the end of the sequence
+    toks, n = latest.lookup([3, 4, 9, 3, 4])  # continuation runs into the end of the sequence
     assert n == 3 and list(toks) == [9, 3, 4, 0]
+    with pytest.raises(ValueError, match="match"):
+        NgramProposer(match="first")
 
 
 def test_ngram_no_match_and_batch():
@@ -310,18 +315,21 @@ def test_ngram_no_match_and_batch():
     np.testing.assert_array_equal(tokens, [[0, 0, 0], [9, 1, 2], [5, 0, 0]])
 
 
-def _lookup_by_definition(ids, n_max, n_min, k):
+def _lookup_by_definition(ids, n_max, n_min, k, match):
     """Prompt lookup as its docstring defines it, in plain Python: for n = n_max .. n_min, the
-    latest earlier window equal to the last n tokens, and the (up to) k tokens after it."""
+    earliest (or latest) earlier window equal to the last n tokens, and the (up to) k tokens
+    after it."""
     for n in range(min(n_max, len(ids) - 1), n_min - 1, -1):
-        for i in range(len(ids) - 1 - n, -1, -1):
+        starts = range(len(ids) - 1 - n, -1, -1)
+        for i in (reversed(starts) if match == "earliest" else starts):
             if ids[i:i + n] == ids[len(ids) - n:]:
                 follow = ids[i + n:i + n + k]
                 return follow + [0] * (k - len(follow)), len(follow)
     return [0] * k, 0
 
 
-def test_ngram_lookup_equals_its_definition_on_random_sequences():
+@pytest.mark.parametrize("match", ["earliest", "latest"])
+def test_ngram_lookup_equals_its_definition_on_random_sequences(match):
     """The one-pass lookup against the search by definition on 3000 random sequences over
     small alphabets (many repeated n-grams, ties between windows, matches at the start)."""
     rng = np.random.default_rng(0)
@@ -330,8 +338,8 @@ def test_ngram_lookup_equals_its_definition_on_random_sequences():
         n_min = int(rng.integers(1, n_max + 1))
         k = int(rng.integers(1, 6))
         ids = rng.integers(0, int(rng.integers(1, 6)), int(rng.integers(0, 40))).tolist()
-        toks, n = NgramProposer(n_max=n_max, n_min=n_min, k=k).lookup(ids)
-        want, want_n = _lookup_by_definition(ids, n_max, n_min, k)
+        toks, n = NgramProposer(n_max=n_max, n_min=n_min, k=k, match=match).lookup(ids)
+        want, want_n = _lookup_by_definition(ids, n_max, n_min, k, match)
         assert (list(toks), n) == (want, want_n), (trial, ids, n_max, n_min, k)
 
 

