@@ -35,6 +35,9 @@ def define_flags() -> None:
                       "Run prefill-only steps while a burst of waiting requests fits the free "
                       "slots (offline throughput); off: decode rows always share the step "
                       "(steadier inter-token latency).")
+    flags.DEFINE_bool("async_scheduling", True,
+                      "Launch each step before the previous step's tokens reach the host and "
+                      "process outputs while it runs (off: synchronous steps).")
     flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
     flags.DEFINE_integer("num_pages", None, "KV pages (default: each slot fits max_model_len).")
     flags.DEFINE_bool("enable_prefix_caching", True, "Reuse KV pages of shared prompt prefixes.")
@@ -65,7 +68,8 @@ def build_app():
               num_pages=FLAGS.num_pages, backend=FLAGS.backend,
               enable_prefix_caching=FLAGS.enable_prefix_caching,
               max_num_batched_tokens=FLAGS.max_num_batched_tokens, seed=FLAGS.seed,
-              max_logprobs=FLAGS.max_logprobs, prefill_first=FLAGS.prefill_first)
+              max_logprobs=FLAGS.max_logprobs, prefill_first=FLAGS.prefill_first,
+              async_scheduling=FLAGS.async_scheduling)
     name = FLAGS.served_model_name or default_model_name(FLAGS.model)
     app_ = create_app(llm, model_name=name, api_key=FLAGS.api_key,
                       max_waiting=FLAGS.max_waiting)
