@@ -507,8 +507,7 @@ class Engine:
                                            min(seq.num_computed, seq.num_tokens))
                     if not emits:
                         continue
-                    self.outputs.append(seq, int(res.tokens[j, 0]), float(res.logprobs[j, 0]),
-                                        zip(res.top_ids[j, 0], res.top_logprobs[j, 0]))
+                    self._emit(seq, res, j, 0)
                     continue
                 if kind == "prefill":
                     seq.num_computed += row.length
@@ -526,9 +525,13 @@ class Engine:
                 for t in range(n + 1):
                     if seq.finished:
                         break
-                    self.outputs.append(seq, int(res.tokens[j, t]), float(res.logprobs[j, t]),
-                                        zip(res.top_ids[j, t], res.top_logprobs[j, t]))
+                    self._emit(seq, res, j, t)
         return aborted + [self.outputs.output(r) for r in touched.values() if r is not None]
+
+    def _emit(self, seq: Seq, res, j: int, t: int) -> None:
+        """Appends the token of sampled row ``j``, position ``t``, with its logprobs."""
+        self.outputs.append(seq, int(res.tokens[j, t]), float(res.logprobs[j, t]),
+                            zip(res.top_ids[j, t], res.top_logprobs[j, t]))
 
     def _init_penalty_rows(self, plan: Plan) -> set:
         """Fills the penalty statistics of sequences (re)admitted this step from their whole
@@ -594,7 +597,6 @@ class Engine:
             reserved += len(self.blocks.block_table(seq.seq_id)) * self.config.page_size
             used += seq.num_tokens
         return {"reserved_slots": reserved, "used_slots": used}
-
 
 
 @dataclasses.dataclass
