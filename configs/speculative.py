@@ -82,6 +82,11 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
     c.max_num_batched_tokens = 512
     c.page_size = 16
     c.backend = ""  # "" = the platform's default
+    # Both engines as users get them: plain steps launched ahead of the last one's tokens
+    # (a speculative engine verifies synchronously). The lockstep then takes turns of
+    # ``steps_per_turn`` steps, each ending with the engine's device work (serve_lockstep).
+    c.async_scheduling = True
+    c.steps_per_turn = 4
 
     # The distilled draft (scripts/distill_draft.py --config=configs/distill_draft.py:cpu); if
     # the directory is missing, an untrained 2-layer draft sharing the target's embedding.

@@ -15,9 +15,11 @@ questions. Only the public API is used:
 Per row (workload, method, adaptive, batch) it reports:
 - speedup: per pair, speculative decode tok/s over the same pair's plain decode tok/s; the median
   and [min-max] over the pairs. A pair runs plain and every variant on the same prompts in
-  lockstep (one ``engine.step()`` of each in turn), so the shared machine's load changes hit
-  them alike; an engine's decode tok/s = the tokens it produced after every request of the
-  round had its first token / the summed wall time of its own steps since then;
+  lockstep (turns of ``steps_per_turn`` ``engine.step()`` calls of each, each turn ending with
+  the engine's device work; one step a turn with ``async_scheduling=False``), so the shared
+  machine's load changes hit them alike; an engine's decode tok/s = the tokens it produced
+  after every request of the round had its first token / the summed wall time of its own
+  steps since then;
 - plain and speculative decode tok/s (medians), and whether every greedy output equals the plain
   run's on the same prompts;
 - mean accepted length (accepted drafts per verify row) and acceptance per draft position, from
@@ -165,11 +167,9 @@ def build_llm(cfg, models: dict, workload: str, batch: int, spec: Optional[dict]
                backend=cfg.backend or None, decode_buckets=(batch,),
                prefill_buckets=tuple(tuple(b) for b in buckets),
                speculative_config=spec, warmup=True,
-               # Lockstep timing needs each step() to finish its own device work: an async
-               # plain engine would leave its step running into the next engine's turn.
-               # Speculative engines step synchronously anyway; async scheduling's own gain
-               # on plain decoding is measured by experiments/throughput.py (llmserve_sync).
-               async_scheduling=False)
+               # Async (the default): plain steps run ahead in both engines, and each turn
+               # of the lockstep ends with the engine's device work (serve_lockstep).
+               async_scheduling=bool(cfg.async_scheduling))
 
 
 def engine_of(llm):
@@ -188,10 +188,16 @@ def serve(engine, prompts: list[Prompt], params, tag: str) -> dict:
     return serve_lockstep({"only": engine}, prompts, params, tag)["only"]
 
 
-def serve_lockstep(engines: dict, prompts: list[Prompt], params, tag: str) -> dict:
-    """Serves the same round of concurrent requests on every engine, in lockstep: one
-    ``engine.step()`` of each in turn (in ``engines``' order) until all are done, so a change
-    in the machine's load (this 2-core machine is shared) hits every engine alike.
+def serve_lockstep(engines: dict, prompts: list[Prompt], params, tag: str,
+                   turn: int = 1) -> dict:
+    """Serves the same round of concurrent requests on every engine, in lockstep: ``turn``
+    ``engine.step()`` calls of each in turn (in ``engines``' order) until all are done, so a
+    change in the machine's load (this 2-core machine is shared) hits every engine alike.
+
+    An async engine's step leaves its device work running after ``step()`` returns; each
+    turn ends with ``engine.wait_device()``, timed as part of the turn's last step, so no
+    engine's work runs into another's turn (the cost: the turn's first launch does not
+    overlap the previous step, one host launch per ``turn`` steps).
 
     Per engine: decode tok/s over its own steps after its last first token (the tokens it
     produced then / the summed wall time of those steps), each such step's seconds and whether
@@ -207,23 +213,28 @@ def serve_lockstep(engines: dict, prompts: list[Prompt], params, tag: str) -> di
     while live:
         for name in list(live):
             engine, st = engines[name], state[name]
-            before = engine.stats.get(VERIFY_KEY, 0.0)
-            t0 = time.perf_counter()
-            outs = engine.step()
-            dt = time.perf_counter() - t0
-            if st["start"] is not None:
-                st["time"] += dt
-                st["steps"].append((dt, engine.stats.get(VERIFY_KEY, 0.0) != before))
-            for out in outs:
-                st["count"][out.request_id] = len(out.outputs[0].token_ids)
-                if out.finished:
-                    st["final"][out.request_id] = list(out.outputs[0].token_ids)
-                    st["gaps"][out.request_id] = [_top2_gap(lp)
-                                                  for lp in out.outputs[0].logprobs or []]
-            if st["start"] is None and all(st["count"].values()):
-                st["start"] = sum(st["count"].values())
-            if not engine.has_unfinished_requests():
-                live.remove(name)
+            for i in range(turn):
+                before = engine.stats.get(VERIFY_KEY, 0.0)
+                t0 = time.perf_counter()
+                outs = engine.step()
+                done = not engine.has_unfinished_requests()
+                if (i == turn - 1 or done) and hasattr(engine, "wait_device"):
+                    engine.wait_device()
+                dt = time.perf_counter() - t0
+                if st["start"] is not None:
+                    st["time"] += dt
+                    st["steps"].append((dt, engine.stats.get(VERIFY_KEY, 0.0) != before))
+                for out in outs:
+                    st["count"][out.request_id] = len(out.outputs[0].token_ids)
+                    if out.finished:
+                        st["final"][out.request_id] = list(out.outputs[0].token_ids)
+                        st["gaps"][out.request_id] = [_top2_gap(lp)
+                                                      for lp in out.outputs[0].logprobs or []]
+                if st["start"] is None and all(st["count"].values()):
+                    st["start"] = sum(st["count"].values())
+                if done:
+                    live.remove(name)
+                    break
     results = {}
     for name, st in state.items():
         tokens = sum(st["count"].values()) - st["start"]
@@ -308,7 +319,8 @@ def measure(cfg, models: dict, workload: str, methods: list[str], batch: int,
     bar = tqdm(range(pairs), desc=f"{workload} batch {batch}", leave=False)
     for p in bar:
         order = names[p % len(names):] + names[:p % len(names)]  # rotated every pair
-        out = serve_lockstep({n: engines[n] for n in order}, plan[p], params, f"p{p}")
+        out = serve_lockstep({n: engines[n] for n in order}, plan[p], params, f"p{p}",
+                             turn=int(cfg.steps_per_turn) if cfg.async_scheduling else 1)
         for name in order:
             runs[name].append(out[name])
         plain = runs["plain"][-1]["tok_s"]
@@ -419,7 +431,9 @@ def notes(cfg, models: dict, rows: list[dict], prompts: dict, skipped: dict,
            "prompt tokens (chat template included): " + ", ".join(
                f"{w} {min(v)}-{max(v)}" for w, v in lens.items()),
            "speedup: per pair (plain and every speculative variant on the same prompts, in "
-           "lockstep: one engine.step() of each in turn, order rotated each pair), speculative "
+           f"lockstep: turns of {cfg.steps_per_turn if cfg.async_scheduling else 1} "
+           f"engine.step() of each, async_scheduling={bool(cfg.async_scheduling)}, each turn "
+           "ending with its device work, order rotated each pair), speculative "
            "/ plain decode tok/s; median [min-max] over the pairs. Decode tok/s = tokens an "
            "engine produced after every request of the round had its first token / the summed "
            "wall time of its own steps since then",

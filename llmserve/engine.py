@@ -21,7 +21,7 @@ from llmserve.batch import MAX_SUPPRESS_IDS, ScheduledRow
 from llmserve.block_manager import BlockManager
 from llmserve.config import ModelConfig
 from llmserve.outputs import OutputProcessor, RequestOutput, RequestState
-from llmserve.runner import Runner, device_memory_bytes, fetch, tree_bytes
+from llmserve.runner import Runner, device_memory_bytes, fetch, tree_bytes, wait
 from llmserve.sampling_params import SamplingParams, child_seed, request_seed
 from llmserve.scheduler import Plan, Scheduler, Status
 from llmserve.scheduler import Sequence as Seq
@@ -76,8 +76,8 @@ class EngineConfig:
     data_parallel_size: int = 1
     # vLLM's knob: schedule and launch step n + 1 before step n's tokens reach the host (the
     # device feeds each row its slot's last token), then process step n's outputs while step
-    # n + 1 runs. Plain decoding only: with speculation (whose drafts need the tokens on the
-    # host) or multi-host serving the engine steps synchronously.
+    # n + 1 runs. A speculative engine verifies synchronously (its drafts need every token on
+    # the host), and with an EAGLE head or multi-host serving the engine steps synchronously.
     async_scheduling: bool = True
 
     def validate(self) -> None:
@@ -218,13 +218,18 @@ class Engine:
         self._aborted: list[RequestOutput] = []  # final outputs the next step() reports
         self._inflight: list[Plan] = []  # launched, outputs not yet processed (``recover``)
         self._ahead: Optional[_Launched] = None  # async scheduling: the step in flight
+        self._landed = 0.0  # when the last step's outputs reached the host (perf_counter)
+        self._verify_next = 0  # the drafts the next step verifies (decided before a drain)
         # Speculation's hooks (each does nothing when speculative_config is None).
         self.speculation = SpeculationController(
             config.speculative_config, cfg=cfg, runner=self.runner, scheduler=self.scheduler,
             stats=self.stats, requests=self.requests, num_pages=num_pages,
             page_size=config.page_size, max_model_len=config.max_model_len, backend=backend)
-        self.async_scheduling = (config.async_scheduling and self.spec is None
-                                 and runner_cls is Runner)
+        # An EAGLE head drafts inside every step from the step's features: its engine steps
+        # synchronously (as a multi-host leader does); n-gram and draft-model engines run
+        # their plain decode steps ahead and verify synchronously.
+        self.async_scheduling = (config.async_scheduling and runner_cls is Runner
+                                 and (self.spec is None or self.spec.method != "eagle"))
 
     @property
     def spec(self):
@@ -363,6 +368,7 @@ class Engine:
         failed step may have consumed the donated buffers) and the prefix cache is dropped.
         """
         plans, self._inflight, self._ahead = self._inflight, [], None
+        self._verify_next = 0
         failed = set()
         for plan in plans:
             failed |= ({s.request_id for s in plan.decode}
@@ -394,15 +400,35 @@ class Engine:
         async scheduling the step launched here is processed by the next call, and this call
         returns the outputs of the step launched before it (while this one runs).
         """
-        plan = self._schedule()
+        lookahead, self._verify_next = self._verify_next or self.speculation.lookahead(), 0
         if not self.async_scheduling:
+            return self._process(self._collect(self._launch(self._schedule(lookahead))))
+        if lookahead and self._ahead is not None:
+            # A verify step looks its drafts up in every token on the host: this call takes
+            # the step in flight, and the next one verifies synchronously.
+            done, self._ahead, self._verify_next = self._ahead, None, lookahead
+            return self._process(self._collect(done), optimistic=True)
+        plan = self._schedule(lookahead)
+        if plan.lookahead:
             return self._process(self._collect(self._launch(plan)))
         launched = self._launch(plan, optimistic=True)
         done, self._ahead = self._ahead, launched
-        return self._process(self._collect(done), optimistic=True)
+        outputs = self._process(self._collect(done), optimistic=True)
+        if launched is not None and done is not None:
+            # Step n's tokens are on the host now: an adaptive n-gram engine looks up the
+            # first draft of some rows of step n + 1 (in flight), checked when it lands.
+            launched.plan.shadow.update(self.speculation.shadow(
+                [s for s in launched.plan.decode if s.pending == 1 and not s.finished]))
+        return outputs
 
-    def _schedule(self) -> Plan:
-        lookahead = self.speculation.lookahead()
+    def wait_device(self) -> None:
+        """Blocks until the step in flight (async scheduling) has finished on the device; its
+        outputs still come with the next ``step()``. For benchmarks that take turns between
+        engines on one machine (``experiments/speculative.py``)."""
+        if self._ahead is not None:
+            wait(self._ahead.result)
+
+    def _schedule(self, lookahead: int) -> Plan:
         plan = self.scheduler.schedule(self.speculation.reserve(lookahead),
                                        self.config.max_model_len)
         plan.lookahead = lookahead
@@ -433,8 +459,9 @@ class Engine:
         decode = self.speculation.verify_rows(plan.decode, self._row) if verify else []
         if verify and not self.speculation.worth_verifying(plan.decode, decode):
             verify = False  # too few drafts (n-gram found few or none): plain is cheaper
-        if not verify:
-            self.speculation.shadow(plan.decode, decode or None)
+        if not verify:  # (rows whose last token is in flight are looked up once it lands)
+            plan.shadow = self.speculation.shadow([s for s in plan.decode if not s.pending],
+                                                  decode or None)
             decode = [self._decode_row(seq) for seq in plan.decode]
         self.speculation.tick(plan.decode)
         for row in decode:
@@ -456,7 +483,7 @@ class Engine:
                 seq.num_computed += 1
                 seq.pending += 1
         return _Launched(plan, batch, result, verify, t0,
-                         batch.parts[0].block_tables.shape[0] if decode else 0)
+                         batch.parts[0].block_tables.shape[0] if decode else 0, optimistic)
 
     def _decode_row(self, seq: Seq) -> ScheduledRow:
         """A plain decode row: the sequence's last token (on the device when still pending)."""
@@ -467,17 +494,27 @@ class Engine:
         return self._row(seq, seq.num_tokens - 1, [seq.all_ids[-1]], True)
 
     def _collect(self, launched: Optional["_Launched"]) -> list[tuple]:
-        """Waits for a launched step; returns (kind, rows, row offset, host result, verify)
-        per kind of row, fetched in one transfer."""
+        """Waits for a launched step and gives speculation its outcome (acceptance, shadow
+        checks, the step's time); returns (kind, rows, row offset, host result) per kind of
+        row, fetched in one transfer."""
         if launched is None:
             return []
         plan, batch, verify = launched.plan, launched.batch, launched.verify
         result = fetch(launched.result)  # one transfer for the step
-        self.speculation.timed(plan, batch, verify, time.perf_counter() - launched.t0)
+        # The step's cost: from its launch, or, when it was launched while the previous step
+        # ran, from that step's end (its share of the pipelined steps' period).
+        now = time.perf_counter()
+        start = max(launched.t0, self._landed) if launched.optimistic else launched.t0
+        self._landed = now
+        self.speculation.timed(plan, batch, verify, now - start)
+        if verify:
+            self.speculation.note_verified(plan.decode, result)
+        elif plan.decode:
+            self.speculation.note_decoded(plan.decode, result, plan.shadow)
         self.stats["steps"] += 1
         self._inflight.remove(plan)
-        return [("decode", plan.decode, 0, result, verify),
-                ("prefill", plan.prefill, launched.offset, result, False)]
+        return [("decode", plan.decode, 0, result),
+                ("prefill", plan.prefill, launched.offset, result)]
 
     def _process(self, results: list[tuple], optimistic: bool = False) -> list[RequestOutput]:
         """Commits computed tokens, appends sampled ones (stop checks), builds the outputs.
@@ -488,11 +525,7 @@ class Engine:
         (the row of a finished sequence is discarded)."""
         aborted, self._aborted = self._aborted, []
         touched: dict[str, RequestState] = {}
-        for kind, rows, offset, res, verify in results:
-            if verify:
-                self.speculation.note_verified(rows, res)
-            elif kind == "decode":
-                self.speculation.note_decoded(rows, res)
+        for kind, rows, offset, res in results:
             for i, row in enumerate(rows):
                 seq = row if kind == "decode" else row.seq
                 touched[seq.request_id] = self.requests.get(seq.request_id)
@@ -609,3 +642,4 @@ class _Launched:
     verify: bool
     t0: float  # when its host work began
     offset: int  # the prefill rows' first sampled row
+    optimistic: bool = False  # launched while the previous step ran (async scheduling)

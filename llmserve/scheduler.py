@@ -112,6 +112,9 @@ class Plan:
     copies: list[tuple[int, int]]
     preempted: list[Sequence]
     lookahead: int = 0  # > 0: decode rows verify this many drafts (speculative decoding)
+    # seq_id -> a first n-gram draft its plain decode row's token is checked against
+    # (``SpeculationController.shadow``)
+    shadow: dict = dataclasses.field(default_factory=dict)
 
     @property
     def empty(self) -> bool:

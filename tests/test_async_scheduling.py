@@ -124,12 +124,42 @@ def test_async_under_preemption_and_abort(tiny):
     assert eng.blocks.num_free_pages == free and not eng.scheduler.running
 
 
-def test_speculation_steps_synchronously(tiny):
+def test_speculation_runs_plain_steps_ahead_and_verifies_synchronously(tiny, monkeypatch):
+    """An n-gram engine launches its plain decode steps ahead like a plain engine, and takes
+    the step in flight before it verifies (the drafts are looked up in every token on the
+    host): greedy output equals the synchronous plain engine's, no verify row is fed on the
+    device, and plain steps overlap. The policy is forced to alternate (verify, then 3 plain
+    steps) so both kinds of step meet; an EAGLE engine steps synchronously."""
     cfg, params = tiny
-    eng = Engine(cfg, params, None, EngineConfig(
-        max_model_len=96, max_num_seqs=4, page_size=4, prefill_buckets=((1, 16),),
-        decode_buckets=(4,), speculative_config={"method": "ngram",
-                                                 "num_speculative_tokens": 2}))
-    assert eng.config.async_scheduling and not eng.async_scheduling
+    rng = np.random.default_rng(3)
+    reqs = []
+    for i in range(8):
+        motif = rng.integers(1, cfg.vocab_size, int(rng.integers(2, 5))).tolist()
+        reqs.append((str(i), (motif * 10)[:int(rng.integers(6, 30))],
+                     SamplingParams(temperature=0, max_tokens=int(rng.integers(8, 40)),
+                                    ignore_eos=True)))
+    want = run(make(cfg, params, False, batch_invariant=False), reqs)
+    eng = make(cfg, params, True, batch_invariant=False, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2})
+    turns = iter([True, False, False, False] * 1000)
+    monkeypatch.setattr(eng.policy, "speculate",  # (True once the drafts are known)
+                        lambda ids, td, tv, num_draft=None: num_draft is not None or next(turns))
+    compiles = eng.runner.num_compilations()
+    kinds = []
+    real_prepare = eng.runner.prepare
+
+    def prepare(decode, prefill, verify=False, **kw):
+        assert not (verify and any(r.feed for r in decode))  # verify rows: tokens on the host
+        kinds.append("verify" if verify else "fed" if any(r.feed for r in decode) else "sync")
+        return real_prepare(decode, prefill, verify=verify, **kw)
+
+    monkeypatch.setattr(eng.runner, "prepare", prepare)
+    got = run(eng, reqs)
+    for rid in want:
+        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
+    assert eng.stats["spec_verify_rows"] > 0 and eng.stats["spec_accepted"] > 0
+    assert kinds.count("verify") >= 5 and kinds.count("fed") >= 5
+    assert eng.runner.num_compilations() == compiles
+    assert eng.blocks.all_free()
     with pytest.raises(TypeError, match="async_scheduling"):
         EngineConfig(async_scheduling=1).validate()

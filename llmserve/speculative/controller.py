@@ -87,7 +87,6 @@ class SpeculationController:
         self._drafted = False  # an EAGLE head left drafts for the next step
         self._num_draft = None  # host copy: drafts each verify row carried this step
         self._predicted = 0.0  # tokens the policy expected this step's verify rows to emit
-        self._shadow: dict = {}  # seq_id -> its first draft, checked by a plain step's token
         self._shadow_next = 0  # round-robin start of the next plain step's lookups
         if config is not None:
             self._init_speculation(config, cfg, num_pages, page_size, backend)
@@ -217,9 +216,9 @@ class SpeculationController:
         return self.policy.speculate([s.seq_id for s in seqs], self.runner.decode_bucket(n),
                                      self.runner.decode_bucket(n, verify=True), drafts)
 
-    def shadow(self, seqs: list, rows: Optional[list] = None) -> None:
-        """Before a plain decode step of an adaptive n-gram engine: the first draft of some
-        rows, which ``note_decoded`` checks against the token the step emits.
+    def shadow(self, seqs: list, rows: Optional[list] = None) -> dict:
+        """For a plain decode step of an adaptive n-gram engine: the first draft of some rows
+        (seq_id -> draft), which ``note_decoded`` checks against the token the step emits.
 
         The policy's acceptance estimates move only on verify steps, so once they fall below
         break-even the step-level rule would never verify again, even after a request starts
@@ -227,36 +226,35 @@ class SpeculationController:
         first-position acceptance event (a point-mass draft x is accepted with probability
         p(x), the chance of drawing x), without verifying. ``rows``: the verify rows this step
         already proposed (then every row's first draft is checked); else SHADOW_ROWS rows,
-        round-robin, are looked up (~0.1 ms each on a 700-token row)."""
-        self._shadow = {}
+        round-robin, are looked up (~0.1 ms each on a 700-token row). ``seqs`` must hold every
+        token before the one their row takes (async scheduling looks a row up once its input
+        token has landed, while the step runs)."""
         if (self.spec is None or self.spec.method != "ngram" or not self.policy.adaptive
                 or not seqs):
-            return
+            return {}
         if rows is not None:
-            self._shadow = {seq.seq_id: int(row.tokens[1]) for seq, row in zip(seqs, rows)
-                            if len(row.tokens) > 1}
-            return
+            return {seq.seq_id: int(row.tokens[1]) for seq, row in zip(seqs, rows)
+                    if len(row.tokens) > 1}
         n = min(SHADOW_ROWS, len(seqs))
         pick = [seqs[(self._shadow_next + i) % len(seqs)] for i in range(n)]
         self._shadow_next = (self._shadow_next + n) % len(seqs)
         proposal = self.proposer.propose(pick, np.ones(n, np.int32))
-        self._shadow = {seq.seq_id: int(proposal.tokens[i, 0]) for i, seq in enumerate(pick)
-                        if proposal.num_draft[i] > 0}
+        return {seq.seq_id: int(proposal.tokens[i, 0]) for i, seq in enumerate(pick)
+                if proposal.num_draft[i] > 0}
 
-    def note_decoded(self, seqs: list, res) -> None:
-        """After a plain decode step: each shadowed row's first draft against its token, as
-        one first-position outcome for the policy (``shadow``)."""
-        if not self._shadow:
+    def note_decoded(self, seqs: list, res, shadow: dict) -> None:
+        """After a plain decode step: each shadowed row's first draft (``shadow``, from
+        ``shadow``) against its token, as one first-position outcome for the policy."""
+        if not shadow:
             return
         for j, seq in enumerate(seqs):
-            draft = self._shadow.get(seq.seq_id)
+            draft = shadow.get(seq.seq_id)
             if draft is None:
                 continue
             hit = int(int(res.tokens[j, 0]) == draft)
             self.policy.record(seq.seq_id, 1, hit)
             self.stats["spec_shadow_rows"] = self.stats.get("spec_shadow_rows", 0) + 1
             self.stats["spec_shadow_hits"] = self.stats.get("spec_shadow_hits", 0) + hit
-        self._shadow = {}
 
     def tick(self, seqs: list) -> None:
         """One more step for the policy's per-sequence bookkeeping (verified or not)."""
