@@ -218,7 +218,7 @@ class Engine:
         self._aborted: list[RequestOutput] = []  # final outputs the next step() reports
         self._inflight: list[Plan] = []  # launched, outputs not yet processed (``recover``)
         self._ahead: Optional[_Launched] = None  # async scheduling: the step in flight
-        self._landed = 0.0  # when the last step's outputs reached the host (perf_counter)
+        self._called = 0.0  # when the current step() call began (perf_counter)
         self._verify_next = 0  # the drafts the next step verifies (decided before a drain)
         # Speculation's hooks (each does nothing when speculative_config is None).
         self.speculation = SpeculationController(
@@ -400,6 +400,7 @@ class Engine:
         async scheduling the step launched here is processed by the next call, and this call
         returns the outputs of the step launched before it (while this one runs).
         """
+        self._called = time.perf_counter()
         lookahead, self._verify_next = self._verify_next or self.speculation.lookahead(), 0
         if not self.async_scheduling:
             return self._process(self._collect(self._launch(self._schedule(lookahead))))
@@ -501,11 +502,11 @@ class Engine:
             return []
         plan, batch, verify = launched.plan, launched.batch, launched.verify
         result = fetch(launched.result)  # one transfer for the step
-        # The step's cost: from its launch, or, when it was launched while the previous step
-        # ran, from that step's end (its share of the pipelined steps' period).
+        # The step's cost: from its launch, or, when it was launched by an earlier call (async
+        # scheduling), from this call's start: its share of the pipelined steps' period, idle
+        # time between calls (a server waiting, another engine's turn) left out.
         now = time.perf_counter()
-        start = max(launched.t0, self._landed) if launched.optimistic else launched.t0
-        self._landed = now
+        start = max(launched.t0, self._called) if launched.optimistic else launched.t0
         self.speculation.timed(plan, batch, verify, now - start)
         if verify:
             self.speculation.note_verified(plan.decode, result)
