@@ -415,11 +415,11 @@ class Engine:
         launched = self._launch(plan, optimistic=True)
         done, self._ahead = self._ahead, launched
         outputs = self._process(self._collect(done), optimistic=True)
-        if launched is not None and done is not None:
-            # Step n's tokens are on the host now: an adaptive n-gram engine looks up the
-            # first draft of some rows of step n + 1 (in flight), checked when it lands.
+        if launched is not None and launched.fed:
+            # The fed rows' input tokens are on the host now: an adaptive n-gram engine looks
+            # up the first draft of some of them, checked when the step in flight lands.
             launched.plan.shadow.update(self.speculation.shadow(
-                [s for s in launched.plan.decode if s.pending == 1 and not s.finished]))
+                [s for s in launched.fed if not s.finished]))
         return outputs
 
     def wait_device(self) -> None:
@@ -460,7 +460,9 @@ class Engine:
         decode = self.speculation.verify_rows(plan.decode, self._row) if verify else []
         if verify and not self.speculation.worth_verifying(plan.decode, decode):
             verify = False  # too few drafts (n-gram found few or none): plain is cheaper
-        if not verify:  # (rows whose last token is in flight are looked up once it lands)
+        fed = []  # sequences whose row takes its input token on the device
+        if not verify:  # (fed rows are looked up once their input token lands: ``step``)
+            fed = [seq for seq in plan.decode if seq.pending]
             plan.shadow = self.speculation.shadow([s for s in plan.decode if not s.pending],
                                                   decode or None)
             decode = [self._decode_row(seq) for seq in plan.decode]
@@ -473,9 +475,8 @@ class Engine:
         self._count(batch, decode, prefill)
         drafts, probs = self.speculation.drafts(plan, batch, verify)
         result = self.runner.run(batch, drafts, probs)  # dispatched; the device runs on
-        fed = sum(r.feed for r in decode)
         if fed:
-            self.stats["fed_rows"] = self.stats.get("fed_rows", 0) + fed
+            self.stats["fed_rows"] = self.stats.get("fed_rows", 0) + len(fed)
         if optimistic:
             for c in plan.prefill:
                 c.seq.num_computed += c.length
@@ -484,7 +485,8 @@ class Engine:
                 seq.num_computed += 1
                 seq.pending += 1
         return _Launched(plan, batch, result, verify, t0,
-                         batch.parts[0].block_tables.shape[0] if decode else 0, optimistic)
+                         batch.parts[0].block_tables.shape[0] if decode else 0, optimistic,
+                         fed)
 
     def _decode_row(self, seq: Seq) -> ScheduledRow:
         """A plain decode row: the sequence's last token (on the device when still pending)."""
@@ -644,3 +646,4 @@ class _Launched:
     t0: float  # when its host work began
     offset: int  # the prefill rows' first sampled row
     optimistic: bool = False  # launched while the previous step ran (async scheduling)
+    fed: list = dataclasses.field(default_factory=list)  # its rows' sequences fed on device
