@@ -100,5 +100,10 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
     c.near_tie = 0.05 if c.dtype == "bfloat16" else 1e-4
     c.ngram_max = 3
     c.ngram_min = 1
+    # Where n-gram drafts are looked up: "host" (the default; verify steps synchronous) and/or
+    # "device" (speculative_config prompt_lookup_on_device: inside the step, verify steps run
+    # ahead like plain ones): "host,device" runs both as variants on the same prompts (rows
+    # "ngram" and "ngram-device").
+    c.ngram_lookup = "host"
     c.fail_on_mismatch = False  # True: exit non-zero when any greedy output differs
     return c

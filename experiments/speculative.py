@@ -141,11 +141,15 @@ def load_models(cfg) -> dict:
 
 
 def spec_config(cfg, models: dict, method: str, adaptive: bool) -> dict:
-    """The ``speculative_config`` a user would pass for this method."""
+    """The ``speculative_config`` a user would pass for this method ("ngram-device": n-gram
+    drafts looked up on the device)."""
+    on_device = method == "ngram-device"
+    method = "ngram" if on_device else method
     spec = {"method": method, "num_speculative_tokens": cfg.num_speculative_tokens,
             "adaptive": adaptive}
     if method == "ngram":
-        spec.update(prompt_lookup_max=cfg.ngram_max, prompt_lookup_min=cfg.ngram_min)
+        spec.update(prompt_lookup_max=cfg.ngram_max, prompt_lookup_min=cfg.ngram_min,
+                    prompt_lookup_on_device=on_device)
     elif method == "draft":
         spec["model"] = models["draft"]
     else:
@@ -282,6 +286,13 @@ def measure(cfg, models: dict, workload: str, methods: list[str], batch: int,
     pairs, max_tokens = per_batch(cfg.pairs, batch), per_batch(cfg.max_tokens, batch)
     adaptive = [a.lower() == "true" for a in _list(cfg.adaptive)]
     engines, setup = {}, {}
+    if "ngram" in methods:  # one variant per lookup place (configs/speculative.py)
+        where = _list(cfg.ngram_lookup)
+        if not where or set(where) - {"device", "host"}:
+            raise ValueError(f"ngram_lookup={cfg.ngram_lookup!r}: use device, host or both")
+        i = methods.index("ngram")
+        methods = (methods[:i] + [{"host": "ngram", "device": "ngram-device"}[w] for w in where]
+                   + methods[i + 1:])
     variants = [(f"{m} adaptive={'on' if a else 'off'}", spec_config(cfg, models, m, a))
                 for m in methods if m not in skipped for a in adaptive]
     for name, spec in variants + [("plain", None)]:

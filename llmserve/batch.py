@@ -150,6 +150,8 @@ class StepOutput(_Pytree):
     top_ids: Array  # [R, W, n] int32: the n most likely raw tokens at each position
     top_logprobs: Array  # [R, W, n] float32
     num_accepted: Array  # [R] int32: drafts accepted (0 for decode and prefill rows)
+    # [R] int32: drafts each row carried (device n-gram lookup: found inside the step)
+    num_draft: Optional[Array] = None
 
 
 class BatchBuilder:

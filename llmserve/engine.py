@@ -26,6 +26,7 @@ from llmserve.scheduler import Plan, Scheduler, Status
 from llmserve.scheduler import Sequence as Seq
 from llmserve.speculative.controller import (
     SpeculationController,
+    device_ngram,
     load_eagle,
     num_speculative_tokens,
 )
@@ -72,6 +73,7 @@ class Engine:
         runner_cls = Runner
         if shardings is not None and shardings.multi_process:
             from llmserve.multihost import LeaderRunner as runner_cls  # broadcasts each call
+        ngram = device_ngram(config, shardings)
         self.runner = runner_cls(
             cfg, params, num_pages=num_pages, page_size=config.page_size,
             max_slots=config.max_num_seqs, max_model_len=config.max_model_len, backend=backend,
@@ -80,7 +82,7 @@ class Engine:
             num_speculative_tokens=num_speculative_tokens(config.speculative_config),
             eagle=eagle,
             batch_invariant=config.batch_invariant, shardings=shardings,
-            max_prefill_seqs=config.max_prefill_seqs)
+            max_prefill_seqs=config.max_prefill_seqs, ngram=ngram)
         self.blocks = BlockManager(num_pages, config.page_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
                                    reservation=config.kv_reservation,
@@ -111,7 +113,9 @@ class Engine:
             page_size=config.page_size, max_model_len=config.max_model_len, backend=backend)
         # An EAGLE head drafts inside every step from the step's features: its engine steps
         # synchronously (as a multi-host leader does); n-gram and draft-model engines run
-        # their plain decode steps ahead and verify synchronously.
+        # their plain decode steps ahead; a draft-model engine (and an n-gram one looking its
+        # drafts up on the host) verifies synchronously, while device n-gram lookup lets
+        # verify steps run ahead too.
         self.async_scheduling = (config.async_scheduling and runner_cls is Runner
                                  and (self.spec is None or self.spec.method != "eagle"))
 
@@ -258,7 +262,7 @@ class Engine:
             failed |= ({s.request_id for s in plan.decode}
                        | {c.seq.request_id for c in plan.prefill})
         for seq in self.scheduler.running + list(self.scheduler.waiting):
-            seq.pending = 0  # tokens of a failed step never arrive (their requests abort)
+            seq.pending = seq.verifying = 0  # a failed step's tokens never arrive
         for rid in sorted(failed):
             self.abort(rid)
         for seq in list(self.scheduler.running):
@@ -288,13 +292,13 @@ class Engine:
         lookahead, self._verify_next = self._verify_next or self.speculation.lookahead(), 0
         if not self.async_scheduling:
             return self._process(self._collect(self._launch(self._schedule(lookahead))))
-        if lookahead and self._ahead is not None:
-            # A verify step looks its drafts up in every token on the host: this call takes
-            # the step in flight, and the next one verifies synchronously.
+        if self._ahead is not None and self._must_drain(lookahead):
+            # This call takes the step in flight; the next one launches (a verify step with
+            # host drafts then runs synchronously).
             done, self._ahead, self._verify_next = self._ahead, None, lookahead
             return self._process(self._collect(done), optimistic=True)
         plan = self._schedule(lookahead)
-        if plan.lookahead:
+        if plan.lookahead and not self.speculation.device_lookup:
             return self._process(self._collect(self._launch(plan)))
         launched = self._launch(plan, optimistic=True)
         done, self._ahead = self._ahead, launched
@@ -305,6 +309,22 @@ class Engine:
             launched.plan.shadow.update(self.speculation.shadow(
                 [s for s in launched.fed if not s.finished]))
         return outputs
+
+    def _must_drain(self, lookahead: int) -> bool:
+        """Whether the next step needs the step in flight on the host first: a verify step
+        looks its drafts up in every token there (host lookup); with device lookup, a plain
+        row's place is unknown after a verify in flight, and a verify row is not fed past
+        what its sequence may still hold (max_model_len) or while min_tokens bans stop tokens
+        (its count of tokens would be stale)."""
+        if not self.speculation.device_lookup:
+            return bool(lookahead)
+        if not lookahead:
+            return self._ahead.verify
+        step = 1 + self.spec.num_speculative_tokens
+        return any(seq.verifying and (
+            seq.params.min_tokens > len(seq.output_ids)
+            or seq.num_tokens + step * (seq.verifying + 1) > self.config.max_model_len)
+            for seq in self.scheduler.running)
 
     def wait_device(self) -> None:
         """Blocks until the step in flight (async scheduling) has finished on the device; its
@@ -366,6 +386,9 @@ class Engine:
                 c.seq.num_computed += c.length
                 c.seq.pending += c.final
             for seq in plan.decode:
+                if verify:  # (device lookup) how many tokens it keeps is known when it lands
+                    seq.verifying += 1
+                    continue
                 seq.num_computed += 1
                 seq.pending += 1
         return _Launched(plan, batch, result, verify, t0,
@@ -400,7 +423,7 @@ class Engine:
             self.speculation.note_decoded(plan.decode, result, plan.shadow)
         self.stats["steps"] += 1
         self._inflight.remove(plan)
-        return [("decode", plan.decode, 0, result),
+        return [("verify" if verify else "decode", plan.decode, 0, result),
                 ("prefill", plan.prefill, launched.offset, result)]
 
     def _process(self, results: list[tuple], optimistic: bool = False) -> list[RequestOutput]:
@@ -414,10 +437,12 @@ class Engine:
         touched: dict[str, RequestState] = {}
         for kind, rows, offset, res in results:
             for i, row in enumerate(rows):
-                seq = row if kind == "decode" else row.seq
+                seq = row.seq if kind == "prefill" else row
                 touched[seq.request_id] = self.requests.get(seq.request_id)
                 j = offset + i
-                if optimistic:
+                if kind == "verify" and seq.verifying:  # launched ahead (device lookup)
+                    seq.verifying -= 1
+                if optimistic and kind != "verify":
                     emits = kind == "decode" or row.final
                     seq.pending -= emits
                     if seq.finished:
@@ -435,12 +460,16 @@ class Engine:
                     if not row.final or seq.finished:
                         continue
                 n = int(res.num_accepted[j])  # drafts kept (0 unless verified)
-                if kind == "decode" and not seq.finished:
+                if kind != "prefill" and not seq.finished and seq.status == Status.RUNNING:
                     # The row's K/V is right for its last token and the n accepted drafts.
                     seq.num_computed += n + 1
                     ids = seq.all_ids + [int(t) for t in res.tokens[j, :n]]
                     if self.spec is not None:  # slots reserved for drafts: give back the rest
-                        self.blocks.truncate(seq.seq_id, seq.num_computed)
+                        # (but those of a verify step still in flight: after these tokens)
+                        keep = seq.num_computed + seq.verifying * (
+                            1 + self.spec.num_speculative_tokens)
+                        self.blocks.truncate(seq.seq_id,
+                                             min(keep, self.blocks.num_tokens(seq.seq_id)))
                     self.blocks.commit(seq.seq_id, ids, seq.num_computed)
                 for t in range(n + 1):
                     if seq.finished:
@@ -465,7 +494,9 @@ class Engine:
                 seq.admitted = False
                 fresh.add(seq.seq_id)
                 p = seq.params
-                if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+                # (device n-gram lookup: every slot's token history starts here)
+                if (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                        or self.speculation.device_lookup):
                     rows.append((seq.slot, seq.all_ids, len(seq.prompt_ids)))
         self.runner.init_sampler_rows(rows)
         return fresh

@@ -60,12 +60,18 @@ class SamplerState:
     counts: Array  # [S + 1, V] int32: how often each token was generated
     prompt_mask: Array  # [S + 1, V] bool: tokens present in the prompt
     last: Array  # [S + 1] int32: the token the slot emitted last
+    # Device n-gram lookup (``ngram`` steps): each slot's tokens and how many there are
+    # (prompt and every emitted token); [S + 1, 1] and unused otherwise.
+    history: Array  # [S + 1, M] int32
+    length: Array  # [S + 1] int32
 
     @classmethod
-    def create(cls, max_slots: int, vocab_size: int) -> "SamplerState":
+    def create(cls, max_slots: int, vocab_size: int, history_len: int = 1) -> "SamplerState":
         return cls(counts=jnp.zeros((max_slots + 1, vocab_size), jnp.int32),
                    prompt_mask=jnp.zeros((max_slots + 1, vocab_size), bool),
-                   last=jnp.zeros(max_slots + 1, jnp.int32))
+                   last=jnp.zeros(max_slots + 1, jnp.int32),
+                   history=jnp.zeros((max_slots + 1, history_len), jnp.int32),
+                   length=jnp.zeros(max_slots + 1, jnp.int32))
 
 
 @flax.struct.dataclass
@@ -155,7 +161,7 @@ def _top_logprobs(logits: Array, num_logprobs: int, fixed_order: bool = False,
 def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
           drafts: Optional[Array] = None, draft_probs: Optional[Array] = None,
           eagle: Optional[EagleState] = None, *, cfg: ModelConfig, backend: str,
-          num_logprobs: int, min_rows: int = 1, eagle_cfg=None):
+          num_logprobs: int, min_rows: int = 1, eagle_cfg=None, ngram=None):
     """One engine step: decode rows, prefill chunks and (``inp.verify``) verify rows at once.
 
     Verify rows [Bv, 1 + D] carry [last committed token, D drafts]; the drafts are already in
@@ -168,6 +174,11 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
     With an EAGLE head (``eagle``), the step also runs the head over its tokens (the target's
     last hidden states paired with each next token) and drafts D tokens for every row that
     emitted, from its newest token; a slot's next verify step reads them here on the device.
+
+    ``ngram`` = (n_max, n_min, max_model_len, page_size): n-gram drafts are looked up here, in
+    each slot's token history (``SamplerState.history``), and every verify row's place comes
+    from the device (``_device_verify_rows``): a verify step can be launched while the step
+    before it, which may accept any number of drafts, still runs (async scheduling).
     """
     hidden = None
     fixed_order = min_rows > 1  # the batch-invariant mode: logprobs in a fixed order too
@@ -199,6 +210,9 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         pmask = sstate.prompt_mask[inp.slot_ids]
         part = inp.parts[0]
         bv, w = part.block_tables.shape[0], part.t
+        if ngram is not None:
+            inp, drafts = _device_verify_rows(inp, sstate, ngram)
+            part = inp.parts[0]
         if drafts is not None:  # a draft model's tokens enter here, on the device
             rows = inp.tokens[: bv * w].reshape(bv, w).at[:, 1:].set(drafts.astype(jnp.int32))
             inp = inp.replace(tokens=jnp.concatenate([rows.reshape(-1), inp.tokens[bv * w:]]))
@@ -222,7 +236,8 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         vcounts = counts[:bv].at[jnp.arange(bv)[:, None], jnp.maximum(ver.out_tokens, 0)].add(
             emitted.astype(jnp.int32))
         result = StepOutput(tokens=ver.out_tokens, logprobs=ver.logprobs, top_ids=top_ids,
-                            top_logprobs=top_lp, num_accepted=ver.num_accepted)
+                            top_logprobs=top_lp, num_accepted=ver.num_accepted,
+                            num_draft=inp.num_draft)
         new_counts = vcounts
         if r > bv:  # the other parts' rows (prefill chunks) sample as in a plain step
             # (a static branch: a verify-only step has no such rows, and sampling ops over
@@ -242,7 +257,8 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
                 top_ids=jnp.concatenate([top_ids, pad(out.top_ids, 0)]),
                 top_logprobs=jnp.concatenate([top_lp, pad(out.top_logprobs, 0.0)]),
                 num_accepted=jnp.concatenate([ver.num_accepted,
-                                              jnp.zeros(r - bv, jnp.int32)]))
+                                              jnp.zeros(r - bv, jnp.int32)]),
+                num_draft=inp.num_draft)
         sstate = sstate.replace(counts=sstate.counts.at[inp.slot_ids].set(new_counts))
     # Each emitting row's newest token (a verify row's: after its accepted drafts) is its
     # slot's last token; rows that emit nothing write the padding row.
@@ -250,10 +266,68 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
     pad_slot = sstate.last.shape[0] - 1
     sstate = sstate.replace(last=sstate.last.at[jnp.where(inp.emit, inp.slot_ids, pad_slot)].set(
         newest))
+    if ngram is not None:
+        sstate = _append_history(sstate, inp, result)
     if eagle is not None:
         eagle = _eagle_after_step(params, eagle, inp, hidden[0], result, eagle_cfg, backend)
         return result, cache, sstate, eagle
     return result, cache, sstate
+
+
+def _device_verify_rows(inp: StepInput, sstate: SamplerState, ngram) -> tuple:
+    """A verify part's rows placed from the device (``ngram`` steps): (inp, drafts [Bv, D]).
+
+    A row whose last token was still in flight when the host built it (``feed``) sits where
+    its slot's history ends (the step before may have accepted any number of drafts); the
+    others where the host put them. Each row carries the drafts ``ngram_device.lookup`` finds
+    in its slot's history (at most the host's ``num_draft`` and the room left before
+    ``max_model_len``); its positions, K/V write slots, kv length and sampled position follow.
+    Draft slots past a row's drafts write to the dummy page."""
+    from llmserve.speculative.ngram_device import lookup
+
+    n_max, n_min, max_len, page_size = ngram
+    part = inp.parts[0]
+    bv, w = part.block_tables.shape[0], part.t
+    slots = inp.slot_ids[:bv]
+    base = jnp.arange(bv, dtype=jnp.int32) * w
+    real = part.lengths > 0
+    dev_len = sstate.length[slots]
+    q_start = jnp.where(real & (inp.feed[base] >= 0), dev_len - 1, part.q_start)
+    drafts, count = lookup(sstate.history[slots], q_start + 1, n_max, n_min, w - 1)
+    count = jnp.where(real, jnp.minimum(count, jnp.minimum(
+        inp.num_draft[:bv], jnp.maximum(max_len - 1 - q_start, 0))), 0)
+    t = jnp.arange(w, dtype=jnp.int32)[None, :]
+    pos = q_start[:, None] + t  # [Bv, W]
+    live = real[:, None] & (t <= count[:, None])
+    page = jnp.take_along_axis(part.block_tables,
+                               jnp.clip(pos // page_size, 0, part.block_tables.shape[1] - 1),
+                               axis=1)
+    n = bv * w
+    parts = (part.replace(q_start=jnp.where(real, q_start, 0),
+                          lengths=jnp.where(real, q_start + 1 + count, 0)),) + inp.parts[1:]
+    inp = inp.replace(
+        positions=inp.positions.at[:n].set(jnp.where(real[:, None], pos, 0).reshape(-1)),
+        write_page=inp.write_page.at[:n].set(jnp.where(live, page, DUMMY_PAGE).reshape(-1)),
+        write_offset=inp.write_offset.at[:n].set(
+            jnp.where(live, pos % page_size, 0).reshape(-1)),
+        parts=parts, sample_pos=inp.sample_pos.at[:bv].set(
+            jnp.where(real, q_start + 1, inp.sample_pos[:bv])),
+        num_draft=inp.num_draft.at[:bv].set(count))
+    return inp, drafts
+
+
+def _append_history(sstate: SamplerState, inp: StepInput, result: StepOutput) -> SamplerState:
+    """Each emitting row's tokens (a verify row's accepted drafts and the target's token) join
+    its slot's history at their positions; the slot's length follows its newest token."""
+    r, w = result.tokens.shape
+    pad_slot = sstate.last.shape[0] - 1
+    slots = jnp.where(inp.emit, inp.slot_ids, pad_slot)
+    pos = inp.sample_pos[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]  # [R, W]
+    keep = inp.emit[:, None] & (jnp.arange(w)[None, :] <= result.num_accepted[:, None])
+    rows = jnp.broadcast_to(jnp.where(keep, slots[:, None], pad_slot), (r, w))
+    history = sstate.history.at[rows, pos].set(result.tokens, mode="drop")
+    length = sstate.length.at[slots].set(inp.sample_pos + result.num_accepted + 1)
+    return sstate.replace(history=history, length=length)
 
 
 def _packed_step(params, cache: PagedKVCache, sstate: SamplerState, buf: Array,
@@ -345,8 +419,12 @@ def _init_sampler_rows(sstate: SamplerState, slots: Array, ids: Array, n_prompt:
     pmask = jnp.zeros((r, v), bool).at[rows, ids].max(pos < n_prompt[:, None])
     counts = jnp.zeros((r, v), jnp.int32).at[rows, ids].add(
         ((pos >= n_prompt[:, None]) & (pos < n_total[:, None])).astype(jnp.int32))
-    return sstate.replace(counts=sstate.counts.at[slots].set(counts),
-                          prompt_mask=sstate.prompt_mask.at[slots].set(pmask))
+    sstate = sstate.replace(counts=sstate.counts.at[slots].set(counts),
+                            prompt_mask=sstate.prompt_mask.at[slots].set(pmask))
+    if sstate.history.shape[1] == m:  # device n-gram lookup: the slot's tokens so far
+        sstate = sstate.replace(history=sstate.history.at[slots].set(ids),
+                                length=sstate.length.at[slots].set(n_total))
+    return sstate
 
 
 def copy_cache_pages(cache: PagedKVCache, src: Array, dst: Array) -> PagedKVCache:
@@ -361,7 +439,8 @@ class StepPrograms:
     def __init__(self):
         self.step = owned_jit(_packed_step, static_argnames=("layout", "param_tree", "cfg",
                                                              "backend", "num_logprobs",
-                                                             "min_rows", "eagle_cfg"),
+                                                             "min_rows", "eagle_cfg",
+                                                             "ngram"),
                               donate_argnames=("cache", "sstate", "eagle"))
         self.copy_pages = owned_jit(copy_cache_pages, donate_argnames=("cache",))
         self.init_rows = owned_jit(_init_sampler_rows, donate_argnames=("sstate",))
@@ -381,22 +460,32 @@ class Runner:
                  mixed_decode_buckets: Sequence[int] | None = None,
                  num_speculative_tokens: int = 0,
                  verify_buckets: Sequence[int] | None = None, eagle=None,
-                 batch_invariant: bool = False, shardings=None, max_prefill_seqs: int = 8):
+                 batch_invariant: bool = False, shardings=None, max_prefill_seqs: int = 8,
+                 ngram: Optional[tuple] = None):
+        # ``ngram`` = (n_max, n_min): verify steps look their n-gram drafts up on the device
+        # (``_device_verify_rows``); every step keeps each slot's token history for it.
         # ``shardings`` (llmserve.sharding.Shardings, or None for one device): the mesh this
         # runner's params and cache are split over; the jitted step follows their shardings.
         self.shardings = shardings
+        self.page_size = page_size
+        self.max_slots = max_slots
+        self.pages_per_seq = -(-max_model_len // page_size)
+        if ngram is not None and (batch_invariant or shardings is not None or eagle is not None
+                                  or not num_speculative_tokens):
+            raise ValueError("device n-gram lookup needs num_speculative_tokens, one device, "
+                             "no EAGLE head and the default (not batch-invariant) mode")
+        self.ngram = None if ngram is None else (int(ngram[0]), int(ngram[1]),
+                                                  int(max_model_len), int(page_size))
+        self._history_len = self.pages_per_seq * page_size if ngram is not None else 1
         if shardings is None:
             self.params = jax.tree_util.tree_map(jnp.asarray, params)
             self.cache = PagedKVCache.create(cfg, num_pages, page_size)
-            self.sstate = SamplerState.create(max_slots, cfg.vocab_size)
+            self.sstate = SamplerState.create(max_slots, cfg.vocab_size, self._history_len)
         else:
             cfg, self.params = shardings.prepare_model(cfg, params)  # may expand kv heads
             self.cache = shardings.create_cache(cfg, num_pages, page_size)
             self.sstate = shardings.replicate(SamplerState.create(max_slots, cfg.vocab_size))
         self.cfg = cfg
-        self.page_size = page_size
-        self.max_slots = max_slots
-        self.pages_per_seq = -(-max_model_len // page_size)
         self.num_logprobs = num_logprobs
         self.num_speculative_tokens = num_speculative_tokens
         self.backend = backend
@@ -432,7 +521,7 @@ class Runner:
         self.programs = programs_for((
             cfg, backend, num_logprobs, self.min_rows, self.eagle_cfg, max_slots, num_pages,
             page_size, self.pages_per_seq, tuple(self.step_shapes()),
-            None if shardings is None else id(shardings)), StepPrograms)
+            None if shardings is None else id(shardings), self.ngram), StepPrograms)
 
     # ------------------------------------------------------------------ host batch
     # The buckets and the host batch belong to ``self.batches`` (llmserve.batch); these
@@ -522,7 +611,7 @@ class Runner:
             out, self.cache, self.sstate = self.programs.step(
                 self._param_leaves, self.cache, self.sstate, buf, drafts, draft_probs,
                 layout=layout, param_tree=self._param_tree, cfg=self.cfg, backend=self.backend,
-                num_logprobs=self.num_logprobs, min_rows=self.min_rows)
+                num_logprobs=self.num_logprobs, min_rows=self.min_rows, ngram=self.ngram)
         return out if self.shardings is None else self.shardings.local(out)
 
     def put(self, tree):
@@ -539,7 +628,7 @@ class Runner:
                                         self.put(buf), layout=layout,
                                         param_tree=self._param_tree, cfg=self.cfg,
                                         backend=self.backend, num_logprobs=self.num_logprobs,
-                                        min_rows=self.min_rows)
+                                        min_rows=self.min_rows, ngram=self.ngram)
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates page src into dst for each pair (padded to a bucket)."""
@@ -574,7 +663,7 @@ class Runner:
         """Fresh (zeroed) cache and sampler state, e.g. after a failed step consumed the
         donated buffers; compiled steps are kept."""
         num_pages = self.cache.num_pages
-        sstate = SamplerState.create(self.max_slots, self.cfg.vocab_size)
+        sstate = SamplerState.create(self.max_slots, self.cfg.vocab_size, self._history_len)
         if self.shardings is None:
             self.cache = PagedKVCache.create(self.cfg, num_pages, self.page_size)
             self.sstate = sstate

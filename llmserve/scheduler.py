@@ -63,6 +63,9 @@ class Sequence:
     # Async scheduling: tokens sampled by a step in flight, not yet in output_ids (their K/V
     # inputs are known to the device only). The scheduler counts them as tokens.
     pending: int = 0
+    # Verify steps in flight whose drafts were looked up on the device: how many of their
+    # tokens they keep is known once they land (the scheduler reserves for all of them).
+    verifying: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -300,7 +303,8 @@ class Scheduler:
         while (self.waiting and self.free_slots and budget > 0
                and len(prefill) < self.max_prefill_rows):
             seq = self.waiting[0]
-            if seq.pending:  # preempted with a token in flight: readmitted once it lands
+            if seq.pending or seq.verifying:  # preempted with tokens in flight: readmitted
+                # once they land
                 break
             # A child that already has outputs (it was preempted) recomputes like any other.
             if seq.fork_from is not None and not seq.fork_from.finished and not seq.output_ids:

@@ -163,3 +163,90 @@ def test_speculation_runs_plain_steps_ahead_and_verifies_synchronously(tiny, mon
     assert eng.blocks.all_free()
     with pytest.raises(TypeError, match="async_scheduling"):
         EngineConfig(async_scheduling=1).validate()
+
+
+def test_device_ngram_lookup_equals_the_host_proposer():
+    """``ngram_device.lookup`` (inside the step) proposes exactly what the host's
+    ``NgramProposer.lookup`` does: the same drafts and counts on random short-vocabulary rows
+    (many repeats, ties between equally long matches, rows too short to match)."""
+    import jax.numpy as jnp
+
+    from llmserve.speculative.ngram import NgramProposer
+    from llmserve.speculative.ngram_device import lookup
+
+    rng = np.random.default_rng(0)
+    m = 48
+    for n_max, n_min, r in [(3, 1, 4), (4, 2, 3), (1, 1, 2), (5, 3, 4)]:
+        rows = [rng.integers(0, int(rng.integers(2, 7)), int(rng.integers(1, m + 1)))
+                for _ in range(120)]
+        hist = np.zeros((len(rows), m), np.int32)
+        for i, row in enumerate(rows):
+            hist[i, :len(row)] = row
+        drafts, count = lookup(jnp.asarray(hist), jnp.asarray([len(x) for x in rows]),
+                               n_max, n_min, r)
+        host = NgramProposer(n_max, n_min, r)
+        found = 0
+        for i, row in enumerate(rows):
+            want, n = host.lookup(row.tolist())
+            assert int(count[i]) == n and np.array_equal(np.asarray(drafts[i]), want), i
+            found += n > 0
+        assert 30 < found < len(rows)  # both outcomes are exercised
+
+
+def test_device_lookup_verify_steps_run_ahead(tiny, monkeypatch):
+    """``prompt_lookup_on_device``: n-gram drafts are looked up inside the step, and a verify
+    step is launched while the step before it (which may accept any number of drafts) still
+    runs, its rows placed on the device. Greedy output equals the synchronous plain engine's
+    under preemption (40 pages), an abort, min_tokens, stop ids and logprobs, with the policy
+    choosing verify or plain at random; nothing compiles after warm-up and every page comes
+    back; seeded sampled requests finish too."""
+    import random
+
+    cfg, params = tiny
+    rng = np.random.default_rng(1)
+    reqs = []
+    for i in range(14):
+        motif = rng.integers(1, cfg.vocab_size, int(rng.integers(2, 6))).tolist()
+        kw = dict(temperature=0, max_tokens=int(rng.integers(1, 50)), ignore_eos=True)
+        if i % 3 == 0:
+            kw["min_tokens"] = min(kw["max_tokens"], 6)
+        if i % 4 == 1:
+            kw["logprobs"] = 2
+        if i % 5 == 2:
+            kw["stop_token_ids"] = [motif[0]]
+        reqs.append((str(i), (motif * 12)[:int(rng.integers(4, 40))], SamplingParams(**kw)))
+    want = run(make(cfg, params, False, batch_invariant=False, num_pages=40), reqs)
+    eng = make(cfg, params, True, batch_invariant=False, num_pages=40, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_on_device": True})
+    assert eng.speculation.device_lookup
+    coin = random.Random(0)
+    monkeypatch.setattr(eng.policy, "speculate",
+                        lambda ids, td, tv, num_draft=None: coin.random() < 0.6)
+    kinds = []
+    real_prepare = eng.runner.prepare
+
+    def prepare(decode, prefill, verify=False, **kw):
+        kinds.append(("verify" if verify else "plain")
+                     + ("-fed" if any(r.feed for r in decode) else ""))
+        return real_prepare(decode, prefill, verify=verify, **kw)
+
+    monkeypatch.setattr(eng.runner, "prepare", prepare)
+    compiles = eng.runner.num_compilations()
+    got = run(eng, reqs, abort_at=(9, "5"))
+    assert got["5"].outputs[0].finish_reason == "abort"
+    for rid in want:
+        if rid != "5":
+            a, b = want[rid].outputs[0], got[rid].outputs[0]
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason, rid
+            if a.logprobs:
+                assert [sorted(d) for d in a.logprobs] == [sorted(d) for d in b.logprobs], rid
+    assert kinds.count("verify-fed") >= 8 and kinds.count("plain-fed") >= 2
+    assert eng.stats["spec_accepted"] > 50 and eng.stats["preemptions"] > 0
+    assert eng.runner.num_compilations() == compiles
+    assert eng.blocks.all_free()
+    sampled = [(rid, p, SamplingParams(temperature=0.9, top_p=0.9, seed=int(rid),
+                                       presence_penalty=0.3, max_tokens=sp.max_tokens,
+                                       ignore_eos=True)) for rid, p, sp in reqs]
+    out = run(eng, sampled)
+    assert all(len(out[rid].outputs[0].token_ids) == sp.max_tokens for rid, _, sp in sampled)
+    assert eng.blocks.all_free() and eng.runner.num_compilations() == compiles

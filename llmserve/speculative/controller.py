@@ -28,6 +28,19 @@ def num_speculative_tokens(spec_cfg: Optional[dict]) -> int:
     return SpeculativeConfig.from_dict(spec_cfg).num_speculative_tokens
 
 
+def device_ngram(config, shardings=None) -> Optional[tuple]:
+    """(n_max, n_min) when an engine of ``config`` (an ``EngineConfig``) looks its n-gram
+    drafts up on the device, else None: n-gram speculation with ``prompt_lookup_on_device``,
+    async scheduling, one device (no mesh) and the default, not batch-invariant, mode."""
+    if config.speculative_config is None or not config.async_scheduling:
+        return None
+    spec = SpeculativeConfig.from_dict(config.speculative_config)
+    if (spec.method != "ngram" or not spec.prompt_lookup_on_device or shardings is not None
+            or config.batch_invariant):
+        return None
+    return spec.prompt_lookup_max, spec.prompt_lookup_min
+
+
 def load_eagle(spec_cfg: Optional[dict], cfg):
     """The EAGLE head the runner runs inside its step ((EagleConfig, params, vocab_map)), or
     None when the method is not "eagle"; a head that does not fit the target is a ValueError."""
@@ -117,6 +130,13 @@ class SpeculationController:
             shardings=self.runner.shardings)
 
     @property
+    def device_lookup(self) -> bool:
+        """n-gram drafts are looked up inside the step (the runner keeps each slot's token
+        history): verify rows are built without their drafts, and may be fed (launched while
+        the step before them runs)."""
+        return getattr(self.runner, "ngram", None) is not None
+
+    @property
     def device_drafts(self) -> bool:
         """Verify steps take a draft model's device drafts (compiled so at warm-up)."""
         return self.spec is not None and self.proposer.device_drafts
@@ -191,7 +211,20 @@ class SpeculationController:
         room = np.zeros(len(seqs), np.int32)  # drafts each row may carry (max_model_len, policy)
         for i, seq in enumerate(seqs):
             if self.policy.proposes(seq.seq_id):
-                room[i] = max(0, min(d, self.max_model_len - seq.num_tokens))
+                room[i] = max(0, min(d, self.max_model_len - seq.num_tokens - seq.pending))
+        if self.device_lookup:
+            # The step looks each row's drafts up (at most its room). A row whose last token is
+            # still in flight is fed: the device places it after that step's tokens.
+            self._num_draft = None
+            self._predicted = sum(self.policy.expected_tokens(seq.seq_id) for seq in seqs)
+            rows = []
+            for seq, k in zip(seqs, room):
+                fed = bool(seq.pending or seq.verifying)
+                r = row(seq, seq.num_tokens + seq.pending - 1,
+                        [0 if fed else seq.all_ids[-1]] + [0] * int(k), True)
+                r.feed = fed
+                rows.append(r)
+            return rows
         proposal = self.proposer.propose(seqs, room)
         self._num_draft = proposal.num_draft  # host copy: drafts each row carried this step
         # What the policy expects these rows to emit, for its calibration (``spec_metrics``).
@@ -208,9 +241,11 @@ class SpeculationController:
         """The policy's choice again, now that each row's number of drafts is known (host
         proposals only: device drafts always fill each row's room, as ``lookahead`` assumed)."""
         drafts = [len(r.tokens) - 1 for r in rows]
+        if self.device_lookup and any(seq.verifying for seq in seqs):
+            return True  # a row after a verify in flight is placed on the device only
         if not any(drafts):
             return False
-        if self.proposer.device_drafts or self.spec.method == "eagle":
+        if self.proposer.device_drafts or self.spec.method == "eagle" or self.device_lookup:
             return True
         n = len(seqs)
         return self.policy.speculate([s.seq_id for s in seqs], self.runner.decode_bucket(n),
@@ -296,13 +331,19 @@ class SpeculationController:
         d = self.spec.num_speculative_tokens
         accepted = np.asarray(res.num_accepted[: len(seqs)])
         self.proposer.accepted(seqs, accepted)
+        num_draft = self._num_draft
+        if self.device_lookup:  # found inside the step; a row without drafts missed
+            num_draft = np.asarray(res.num_draft[: len(seqs)])
         self.stats["spec_predicted_tokens"] = (self.stats.get("spec_predicted_tokens", 0.0)
                                                + self._predicted)
         proposed_at = self.stats.setdefault("spec_proposed_per_pos", [0] * d)
         accepted_at = self.stats.setdefault("spec_accepted_per_pos", [0] * d)
-        for seq, drafted, n in zip(seqs, self._num_draft, accepted):
+        for seq, drafted, n in zip(seqs, num_draft, accepted):
             drafted, n = int(drafted), int(n)
-            self.policy.record(seq.seq_id, drafted, n)
+            # (device lookup: the policy chose to verify not knowing whether drafts exist, so
+            # a row that found none counts as a first-position miss)
+            self.policy.record(seq.seq_id, max(drafted, int(
+                self.device_lookup and self.policy.proposes(seq.seq_id))), n)
             req = self.requests.get(seq.request_id)
             if req is not None:
                 req.metrics.spec_proposed += drafted
