@@ -173,10 +173,10 @@ def test_llm_constructor_rejects_bad_knobs(kw, exc, match):
 def test_llm_accepts_the_canonical_vllm_snippet(monkeypatch):
     # The memory reading is pinned: MemAvailable moves between the engine's read and
     # the test's when other tests run beside it (CI saw a 1.002% drift).
-    import llmserve.engine as engine_mod
+    import llmserve.runner as runner_mod  # (EngineConfig.resolve_num_pages reads it there)
 
     memory = 20 * 2**30
-    monkeypatch.setattr(engine_mod, "device_memory_bytes", lambda: memory)
+    monkeypatch.setattr(runner_mod, "device_memory_bytes", lambda: memory)
     llm = tiny_llm(gpu_memory_utilization=0.01, max_model_len=256,
                    speculative_model="[ngram]", num_speculative_tokens=3)
     eng = llm.engine
