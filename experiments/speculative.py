@@ -387,13 +387,13 @@ def variant_row(cfg, workload: str, name: str, batch: int, max_tokens: int, plai
             _median(dt for dt, v in s["steps"] if v) for s in spec) if t),
         "verify_decode_cost": _median(ratios), "verify_decode_cost_per_pair": ratios,
         "verify_step_fraction": _median(verify_fracs),
-        "replay_ceiling": (replay_ceiling(cfg, plan, plain, 1.0, _median(ratios))
+        "replay_lookup": (replay_lookup(cfg, plan, plain, 1.0, _median(ratios))
                            if method.startswith("ngram") and batch == 1 and _median(ratios)
                            else None),
         "spec_metrics": metrics}
 
 
-def replay_ceiling(cfg, plan: list[list[Prompt]], plain: list[dict], t_decode: float,
+def replay_lookup(cfg, plan: list[list[Prompt]], plain: list[dict], t_decode: float,
                    t_verify: float) -> dict:
     """What the n-gram lookup allows at batch 1, from the plain runs' greedy outputs: each
     output is replayed through ``NgramProposer`` (R = num_speculative_tokens), verifying
@@ -510,11 +510,11 @@ def notes(cfg, models: dict, rows: list[dict], prompts: dict, skipped: dict,
            "trained on (held_out_prompts in the JSON)"]
     out += list(skipped.values())
     for r in rows:
-        c = r.get("replay_ceiling")
+        c = r.get("replay_lookup")
         if c:
             need = c["verify_cost_for_2x"]
             out.append(
-                f"{r['method']} batch 1 replay (replay_ceiling): the plain runs' {c['outputs']} "
+                f"{r['method']} batch 1 replay (replay_lookup): the plain runs' {c['outputs']} "
                 "greedy outputs replayed through the n-gram lookup at the measured verify / "
                 f"decode cost {c['verify_decode_cost']:.2f}: {c['informed_speedup']:.2f}x "
                 f"verifying whenever drafts are found, {c['blind_speedup']:.2f}x at every "

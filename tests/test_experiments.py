@@ -171,27 +171,27 @@ def test_speculative_summary_of_a_run_that_measured_one_policy():
     assert "2.00x always / 1.80x adaptive" in both and "1.10x a decode" in both
 
 
-def test_replay_ceiling_counts_verify_steps_by_hand():
-    """The n-gram replay (``replay_ceiling``) on an output that copies its prompt: from
+def test_replay_lookup_counts_verify_steps_by_hand():
+    """The n-gram replay (``replay_lookup``) on an output that copies its prompt: from
     [5 6 7 8 9 5] the lookup drafts 6 7 8 9 (all kept, 5 tokens in one verify), then the
     3-token match 9 5 -> 6 7 8 9, of which the last 2 output slots keep 2 (3 tokens): 8
     tokens in 2 verify steps, so 8 / (2 x cost) over plain decoding, and 2x at cost 2."""
     import types
 
     from experiments.spec_workloads import Prompt
-    from experiments.speculative import replay_ceiling
+    from experiments.speculative import replay_lookup
 
     cfg = types.SimpleNamespace(ngram_max=3, ngram_min=1, num_speculative_tokens=4)
     plan = [[Prompt(ids=(5, 6, 7, 8, 9, 5), source="copy")]]
     plain = [{"token_ids": [[6, 7, 8, 9, 5, 6, 7, 8]]}]
-    got = replay_ceiling(cfg, plan, plain, 1.0, 1.5)
+    got = replay_lookup(cfg, plan, plain, 1.0, 1.5)
     assert got["informed_speedup"] == pytest.approx(8 / 3) == got["blind_speedup"]
     assert got["verify_cost_for_2x"] == pytest.approx(2.0, abs=1e-6)
     # An output the prompt never predicts: one wasted verify (the prompt's last token 5
     # matched), then plain steps (informed: 4 tokens in 1.5 + 3 step times); the blind replay
     # pays a verify for every token.
     plain = [{"token_ids": [[11, 12, 13, 14]]}]
-    got = replay_ceiling(cfg, plan, plain, 1.0, 1.5)
+    got = replay_lookup(cfg, plan, plain, 1.0, 1.5)
     assert got["informed_speedup"] == pytest.approx(4 / 4.5)
     assert got["blind_speedup"] == pytest.approx(1 / 1.5)
     assert got["verify_cost_for_2x"] is None
