@@ -43,6 +43,7 @@ from llmserve.model import Transformer
 from llmserve.ops import cpu_kernels
 from llmserve.packed import pack_inputs, unpack_inputs  # noqa: F401  (re-exported)
 from llmserve.programs import owned_jit, programs_for
+from llmserve.speculative import ngram_device
 from llmserve.speculative.verify import verify
 
 Array = jax.Array
@@ -177,7 +178,7 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
 
     ``ngram`` = (n_max, n_min, max_model_len, page_size): n-gram drafts are looked up here, in
     each slot's token history (``SamplerState.history``), and every verify row's place comes
-    from the device (``_device_verify_rows``): a verify step can be launched while the step
+    from the device (``ngram_device.verify_rows``): a verify step can be launched while the step
     before it, which may accept any number of drafts, still runs (async scheduling).
     """
     hidden = None
@@ -211,7 +212,7 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         part = inp.parts[0]
         bv, w = part.block_tables.shape[0], part.t
         if ngram is not None:
-            inp, drafts = _device_verify_rows(inp, sstate, ngram)
+            inp, drafts = ngram_device.verify_rows(inp, sstate, ngram)
             part = inp.parts[0]
         if drafts is not None:  # a draft model's tokens enter here, on the device
             rows = inp.tokens[: bv * w].reshape(bv, w).at[:, 1:].set(drafts.astype(jnp.int32))
@@ -267,67 +268,11 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
     sstate = sstate.replace(last=sstate.last.at[jnp.where(inp.emit, inp.slot_ids, pad_slot)].set(
         newest))
     if ngram is not None:
-        sstate = _append_history(sstate, inp, result)
+        sstate = ngram_device.append_history(sstate, inp, result)
     if eagle is not None:
         eagle = _eagle_after_step(params, eagle, inp, hidden[0], result, eagle_cfg, backend)
         return result, cache, sstate, eagle
     return result, cache, sstate
-
-
-def _device_verify_rows(inp: StepInput, sstate: SamplerState, ngram) -> tuple:
-    """A verify part's rows placed from the device (``ngram`` steps): (inp, drafts [Bv, D]).
-
-    A row whose last token was still in flight when the host built it (``feed``) sits where
-    its slot's history ends (the step before may have accepted any number of drafts); the
-    others where the host put them. Each row carries the drafts ``ngram_device.lookup`` finds
-    in its slot's history (at most the host's ``num_draft`` and the room left before
-    ``max_model_len``); its positions, K/V write slots, kv length and sampled position follow.
-    Draft slots past a row's drafts write to the dummy page."""
-    from llmserve.speculative.ngram_device import lookup
-
-    n_max, n_min, max_len, page_size = ngram
-    part = inp.parts[0]
-    bv, w = part.block_tables.shape[0], part.t
-    slots = inp.slot_ids[:bv]
-    base = jnp.arange(bv, dtype=jnp.int32) * w
-    real = part.lengths > 0
-    dev_len = sstate.length[slots]
-    q_start = jnp.where(real & (inp.feed[base] >= 0), dev_len - 1, part.q_start)
-    drafts, count = lookup(sstate.history[slots], q_start + 1, n_max, n_min, w - 1)
-    count = jnp.where(real, jnp.minimum(count, jnp.minimum(
-        inp.num_draft[:bv], jnp.maximum(max_len - 1 - q_start, 0))), 0)
-    t = jnp.arange(w, dtype=jnp.int32)[None, :]
-    pos = q_start[:, None] + t  # [Bv, W]
-    live = real[:, None] & (t <= count[:, None])
-    page = jnp.take_along_axis(part.block_tables,
-                               jnp.clip(pos // page_size, 0, part.block_tables.shape[1] - 1),
-                               axis=1)
-    n = bv * w
-    parts = (part.replace(q_start=jnp.where(real, q_start, 0),
-                          lengths=jnp.where(real, q_start + 1 + count, 0)),) + inp.parts[1:]
-    inp = inp.replace(
-        positions=inp.positions.at[:n].set(jnp.where(real[:, None], pos, 0).reshape(-1)),
-        write_page=inp.write_page.at[:n].set(jnp.where(live, page, DUMMY_PAGE).reshape(-1)),
-        write_offset=inp.write_offset.at[:n].set(
-            jnp.where(live, pos % page_size, 0).reshape(-1)),
-        parts=parts, sample_pos=inp.sample_pos.at[:bv].set(
-            jnp.where(real, q_start + 1, inp.sample_pos[:bv])),
-        num_draft=inp.num_draft.at[:bv].set(count))
-    return inp, drafts
-
-
-def _append_history(sstate: SamplerState, inp: StepInput, result: StepOutput) -> SamplerState:
-    """Each emitting row's tokens (a verify row's accepted drafts and the target's token) join
-    its slot's history at their positions; the slot's length follows its newest token."""
-    r, w = result.tokens.shape
-    pad_slot = sstate.last.shape[0] - 1
-    slots = jnp.where(inp.emit, inp.slot_ids, pad_slot)
-    pos = inp.sample_pos[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]  # [R, W]
-    keep = inp.emit[:, None] & (jnp.arange(w)[None, :] <= result.num_accepted[:, None])
-    rows = jnp.broadcast_to(jnp.where(keep, slots[:, None], pad_slot), (r, w))
-    history = sstate.history.at[rows, pos].set(result.tokens, mode="drop")
-    length = sstate.length.at[slots].set(inp.sample_pos + result.num_accepted + 1)
-    return sstate.replace(history=history, length=length)
 
 
 def _packed_step(params, cache: PagedKVCache, sstate: SamplerState, buf: Array,
@@ -463,7 +408,7 @@ class Runner:
                  batch_invariant: bool = False, shardings=None, max_prefill_seqs: int = 8,
                  ngram: Optional[tuple] = None):
         # ``ngram`` = (n_max, n_min): verify steps look their n-gram drafts up on the device
-        # (``_device_verify_rows``); every step keeps each slot's token history for it.
+        # (``ngram_device.verify_rows``); every step keeps each slot's token history for it.
         # ``shardings`` (llmserve.sharding.Shardings, or None for one device): the mesh this
         # runner's params and cache are split over; the jitted step follows their shardings.
         self.shardings = shardings
