@@ -161,6 +161,8 @@ def tiny_llm(**kw):
     (dict(backend="pallas"), ValueError, "pallas_interpret"),
     (dict(speculative_model="[ngram]"), ValueError, "go together"),
     (dict(speculative_config={"method": "medusa"}), ValueError, "method"),
+    (dict(speculative_config={"method": "ngram", "prompt_lookup_on_device": "yes"}), TypeError,
+     "prompt_lookup_on_device"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 0}), ValueError,
      "num_speculative_tokens"),
     (dict(num_pages=3, max_model_len=64), ValueError, "cannot hold one sequence"),

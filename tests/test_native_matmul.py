@@ -220,7 +220,7 @@ def test_a_step_takes_one_matmul_kernel_chosen_by_its_sequences(monkeypatch):
     import types
 
     from llmserve.batch import BatchBuilder
-    from llmserve.runner import native_matmul, step_rows
+    from llmserve.step import native_matmul, step_rows
 
     monkeypatch.delenv("LLMSERVE_NATIVE_MATMUL", raising=False)
     monkeypatch.setattr(cpa, "cpu_has_avx512", lambda: True)

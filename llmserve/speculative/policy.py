@@ -38,6 +38,9 @@ class SpeculativeConfig:
                              "or 'eagle'")
         if not 1 <= cfg.num_speculative_tokens <= 16:
             raise ValueError("speculative_config.num_speculative_tokens must be in [1, 16]")
+        if not isinstance(cfg.prompt_lookup_on_device, bool):
+            raise TypeError("speculative_config.prompt_lookup_on_device="
+                            f"{cfg.prompt_lookup_on_device!r}: must be bool")
         if cfg.method in ("draft", "eagle") and cfg.model is None:
             raise ValueError(f"speculative_config: method {cfg.method!r} needs 'model'")
         return cfg

@@ -22,9 +22,9 @@ from llmserve.batch import StepInput, padded_page_pairs, part_arrays
 from llmserve.config import ModelConfig
 from llmserve.kv_cache import PagedKVCache
 from llmserve.programs import owned_jit, programs_for
-from llmserve.runner import copy_cache_pages
 from llmserve.speculative.draft import draft_prefill, draft_propose
 from llmserve.speculative.ngram import NgramProposer
+from llmserve.step import copy_cache_pages
 
 Array = jax.Array
 
