@@ -98,7 +98,6 @@ class SpeculationController:
         self.policy: Optional[SpeculationPolicy] = None
         self.proposer = None
         self._drafted = False  # an EAGLE head left drafts for the next step
-        self._num_draft = None  # host copy: drafts each verify row carried this step
         self._predicted = 0.0  # tokens the policy expected this step's verify rows to emit
         self._shadow_next = 0  # round-robin start of the next plain step's lookups
         if config is not None:
@@ -134,7 +133,7 @@ class SpeculationController:
         """n-gram drafts are looked up inside the step (the runner keeps each slot's token
         history): verify rows are built without their drafts, and may be fed (launched while
         the step before them runs)."""
-        return getattr(self.runner, "ngram", None) is not None
+        return self.runner.ngram is not None
 
     @property
     def device_drafts(self) -> bool:
@@ -215,7 +214,6 @@ class SpeculationController:
         if self.device_lookup:
             # The step looks each row's drafts up (at most its room). A row whose last token is
             # still in flight is fed: the device places it after that step's tokens.
-            self._num_draft = None
             self._predicted = sum(self.policy.expected_tokens(seq.seq_id) for seq in seqs)
             rows = []
             for seq, k in zip(seqs, room):
@@ -226,7 +224,6 @@ class SpeculationController:
                 rows.append(r)
             return rows
         proposal = self.proposer.propose(seqs, room)
-        self._num_draft = proposal.num_draft  # host copy: drafts each row carried this step
         # What the policy expects these rows to emit, for its calibration (``spec_metrics``).
         self._predicted = sum(self.policy.expected_tokens(seq.seq_id, n)
                               for seq, n in zip(seqs, proposal.num_draft))
@@ -331,9 +328,7 @@ class SpeculationController:
         d = self.spec.num_speculative_tokens
         accepted = np.asarray(res.num_accepted[: len(seqs)])
         self.proposer.accepted(seqs, accepted)
-        num_draft = self._num_draft
-        if self.device_lookup:  # found inside the step; a row without drafts missed
-            num_draft = np.asarray(res.num_draft[: len(seqs)])
+        num_draft = np.asarray(res.num_draft[: len(seqs)])  # each row's drafts (the step's)
         self.stats["spec_predicted_tokens"] = (self.stats.get("spec_predicted_tokens", 0.0)
                                                + self._predicted)
         proposed_at = self.stats.setdefault("spec_proposed_per_pos", [0] * d)
