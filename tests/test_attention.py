@@ -238,6 +238,8 @@ NATIVE_ONLY = [
     ("verify_t3_h32_l16", 3, 3, 4, 2, 32, 16, 3, [40, 3, 17], None),
     # Head dim 128 (8 vectors a row, 2 rows at a time), 9 rows per item, a partial last page.
     ("verify_t3_h128_g3", 2, 3, 6, 2, 128, 16, 3, [45, 19], None),
+    # One sequence verifying 1 + 4 tokens (batch 1): 3 items of 15 rows, 4 row groups each.
+    ("verify_batch1_g3", 1, 5, 9, 3, 64, 16, 8, [117], None),
 ]
 
 
@@ -268,11 +270,13 @@ def test_native_kernel_is_batch_invariant(dtype):
 @needs_native
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("h", [32, 64, 128])
-def test_native_kernel_verify_rows_equal_decode_rows(dtype, h):
+@pytest.mark.parametrize("lengths", [[90, 5, 47], [90]])
+def test_native_kernel_verify_rows_equal_decode_rows(dtype, h, lengths):
     """A query block of T = 5 tokens (15 rows per kv head: several row groups sharing each
     page) gives, for every token, bitwise the output of that token alone as a decode query at
-    its position: a row's arithmetic does not depend on the rows grouped with it."""
-    case = ("verify_groups", 3, 5, 9, 3, h, 16, 6, [90, 5, 47], None)
+    its position: a row's arithmetic does not depend on the rows grouped with it (three
+    sequences, and one alone: batch 1 verifying)."""
+    case = ("verify_groups", len(lengths), 5, 9, 3, h, 16, 6, lengths, None)
     q, kp, vp, tables, q_start, lengths = paged_inputs(case, dtype)
     f = jax.jit(cpa.paged_attention_cpu)
     block = np.asarray(f(q, kp, vp, tables, q_start, lengths).astype(jnp.float32))
