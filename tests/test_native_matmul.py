@@ -26,9 +26,9 @@ F32_SHAPES = [(1, 576, 576, False), (7, 48, 80, False), (13, 1536, 576, False),
               (10, 576, 192, False), (12, 32, 112, False), (20, 64, 48, False),
               (32, 64, 112, False), (5, 576, 1028, True), (9, 16, 8, True)]
 
-# (M, K, N, transpose_w): row counts around the kernel's 6-row (4-row transposed) tiles, its
-# 7-12-row tall tiles and the transposed kernel's balanced 5-6-row tiles (up to 12 rows),
-# 32-column tails, SmolLM2's shapes, and a vocabulary not a multiple of 64.
+# (M, K, N, transpose_w): row counts around the kernel's 6-row (4-row transposed) tiles, the
+# 7-24-row calls of a verify step or small batch, the transposed kernel's balanced 5-6-row
+# tiles (up to 12 rows), 32-column tails, SmolLM2's shapes, and a vocabulary not a multiple of 64.
 SHAPES = [
     (1, 576, 576, False), (6, 576, 192, False), (7, 576, 1536, False), (32, 1536, 576, False),
     (13, 64, 96, False), (130, 96, 160, False), (10, 576, 192, False), (12, 64, 96, False),
@@ -86,7 +86,7 @@ def test_each_row_is_bitwise_the_same_alone_and_in_a_batch(transpose_w, dtype, n
         np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w, transpose_w))[0], batch[i])
         np.testing.assert_array_equal(np.asarray(f(x[i:i + 2], w, transpose_w)), batch[i:i + 2])
         np.testing.assert_array_equal(np.asarray(f(x[i:i + 4], w, transpose_w)), batch[i:i + 4])
-    for i, m in ((0, 7), (5, 9), (23, 10), (24, 12), (0, 16), (17, 20), (13, 24),  # tall tiles
+    for i, m in ((0, 7), (5, 9), (23, 10), (24, 12), (0, 16), (17, 20), (13, 24),  # 7-24 rows
                  (3, 5), (2, 11)):  # and the transposed kernel's balanced tiles
         np.testing.assert_array_equal(np.asarray(f(x[i:i + m], w, transpose_w)), batch[i:i + m])
 

@@ -686,33 +686,13 @@ inline int64_t MatmulMinItems(int64_t m_dim, int64_t k_dim, int64_t block) {
   return std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, work));
 }
 
-// The [K, N] matmuls' tall tiles serve calls of 7 to this many rows: 7-24 rows (a verify step
-// of 2-4 rows x (1 + R) tokens, a small decode batch) go in tiles of up to 12 rows by 32
-// columns (24 accumulators), so a block's weights pass through the registers once per 12 rows
-// instead of once per 6 (and stream from memory once for up to 12 rows). Same per-row
-// arithmetic as the 6-row tiles.
-constexpr int64_t kTallMaxRows = 24;
-
-// Calls tile(std::integral_constant<int, MR>, m0) for rows m0.. in tall tiles of MR = 7-12
-// rows while at least 7 remain (none outside 7..kTallMaxRows); returns the first row not done.
-template <typename F>
-inline int64_t TallRows(int64_t m_dim, F&& tile) {
-  if (m_dim <= 6 || m_dim > kTallMaxRows) return 0;
-  int64_t m0 = 0;
-  while (m_dim - m0 >= 7) {
-    const int64_t mr = std::min<int64_t>(12, m_dim - m0);
-    switch (mr) {
-      case 7: tile(std::integral_constant<int, 7>(), m0); break;
-      case 8: tile(std::integral_constant<int, 8>(), m0); break;
-      case 9: tile(std::integral_constant<int, 9>(), m0); break;
-      case 10: tile(std::integral_constant<int, 10>(), m0); break;
-      case 11: tile(std::integral_constant<int, 11>(), m0); break;
-      default: tile(std::integral_constant<int, 12>(), m0); break;
-    }
-    m0 += mr;
-  }
-  return m0;
-}
+// The [K, N] matmuls run 6-row tiles at every row count. Tiles of up to 12 x 32 for calls of
+// 7-24 rows (a block's weights through the registers once per 12 rows) were measured faster on
+// an earlier machine but slower on this project's AMD Zen 4 CPUs (SmolLM2's weight matmuls,
+// `python -m experiments.matmul --rows=6,8,10,16,24`, alternated twice: bf16 8 rows 9.1 vs
+// 10.4-10.6 ms, 16 rows 11.2-11.5 vs 11.9-12.2; fp32 8 rows 15.5-15.7 vs 19.4-19.7, 16 rows
+// 20.1 vs 23.3-23.8), so they went: a 6-row tile's block of weights stays in L1/L2 for the
+// next row tile.
 
 template <typename QT, typename PT>
 void Run(ffi::ThreadPool& pool, const Dims& d, const void* q, const void* kp, const void* vp,
@@ -873,20 +853,11 @@ inline void GemmKNTile(const uint16_t* x, int64_t k_dim, int64_t m0, const uint1
   }
 }
 
-// Tall tiles (see kTallMaxRows): columns n0..n0 + cols of rows m0..m0 + MR.
-template <int MR>
-inline void GemmKNTall(const uint16_t* x, int64_t k_dim, int64_t m0, const uint16_t* w,
-                       int64_t n, int64_t n0, int64_t cols, float* out) {
-  for (int64_t c = 0; c < cols; c += 32) GemmKNTile<MR, 1>(x, k_dim, m0, w, n, n0 + c, out);
-}
-
 template <int NV>
 inline void GemmKNColumns(const uint16_t* x, int64_t m_dim, int64_t k_dim, const uint16_t* w,
                           int64_t n, int64_t n0, float* out) {
   constexpr int kMR = 6;
-  int64_t m0 = TallRows(m_dim, [&](auto mr, int64_t r0) {
-    GemmKNTall<decltype(mr)::value>(x, k_dim, r0, w, n, n0, 32 * NV, out);
-  });
+  int64_t m0 = 0;
   for (; m0 + kMR <= m_dim; m0 += kMR) GemmKNTile<kMR, NV>(x, k_dim, m0, w, n, n0, out);
   switch (m_dim - m0) {
     case 1: GemmKNTile<1, NV>(x, k_dim, m0, w, n, n0, out); break;
@@ -1245,22 +1216,11 @@ inline void GemmKNTileF32(const float* x, int64_t k_dim, int64_t m0, const float
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + (m0 + m) * n + n0 + 16 * v, acc[m][v]);
 }
 
-// Tall tiles (see kTallMaxRows): the block's columns of rows m0..m0 + MR.
-template <int MR, int NV>
-inline void GemmKNTallF32(const float* x, int64_t k_dim, int64_t m0, const float* w, int64_t n,
-                          int64_t n0, float* out) {
-  int v = 0;
-  for (; v + 2 <= NV; v += 2) GemmKNTileF32<MR, 2>(x, k_dim, m0, w, n, n0 + 16 * v, out);
-  if (v < NV) GemmKNTileF32<MR, 1>(x, k_dim, m0, w, n, n0 + 16 * v, out);
-}
-
 template <int NV>
 inline void GemmKNColumnsF32(const float* x, int64_t m_dim, int64_t k_dim, const float* w,
                              int64_t n, int64_t n0, float* out) {
   constexpr int kMR = 6;
-  int64_t m0 = TallRows(m_dim, [&](auto mr, int64_t r0) {
-    GemmKNTallF32<decltype(mr)::value, NV>(x, k_dim, r0, w, n, n0, out);
-  });
+  int64_t m0 = 0;
   for (; m0 + kMR <= m_dim; m0 += kMR) GemmKNTileF32<kMR, NV>(x, k_dim, m0, w, n, n0, out);
   switch (m_dim - m0) {
     case 1: GemmKNTileF32<1, NV>(x, k_dim, m0, w, n, n0, out); break;
