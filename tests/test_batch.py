@@ -171,3 +171,16 @@ def test_packed_step_inputs_round_trip():
         np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))  # bit for bit
     with pytest.raises(TypeError, match="int64"):
         pack_inputs({"x": np.zeros(3, np.int64)})
+
+
+def test_default_buckets_pad_a_freed_slots_prompt_by_less_than_half_its_length():
+    """The engine's default prefill buckets step by at most 1.5x: one prompt of 65-512 tokens
+    (a freed slot's admission) pads by less than half its length, so a 90-token prompt rides
+    in 96 flat tokens (the powers of two alone padded a 65-token prompt to 128)."""
+    from llmserve.engine_config import EngineConfig
+
+    b = _builder(prefill_buckets=EngineConfig().prefill_buckets, page_size=16, pages_per_seq=64)
+    for n in range(65, 513):
+        rows, c = b.prefill_bucket([n])
+        assert n <= rows * c < 1.5 * n, (n, rows, c)
+    assert b.prefill_bucket([90]) == (12, 8)
