@@ -7,6 +7,7 @@ r"""Speculative decoding benchmark: A/B pairs in lockstep, plain vs speculative 
 ("runlocal" is an alias of "smoke"; "smoke" runs a random-weight tiny target in fp32, checking
 the pipeline only: its speed and acceptance numbers mean nothing.)
 Other overrides: --config.batches=1,4 --config.pairs=1:5 --config.max_tokens=1:32
+                 --config.draft_lengths=4,5,8 (R values side by side)
                  --config.adaptive=false --config.chat_methods=draft
                  --config.eagle_model=checkpoints/eagle/smoke
 
@@ -61,6 +62,9 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
     c.pairs = {"full": "1:9,4:5", "small": "1:3,4:2", "smoke": "1:2"}[arg]
     c.max_tokens = {"full": "1:64,16:48,32:32", "small": "1:32", "smoke": "1:8"}[arg]
     c.num_speculative_tokens = 2 if arg == "smoke" else 4  # R
+    # R values compared side by side in the same pairs, e.g. "4,5,8" (each a variant beside
+    # plain decoding); "" = num_speculative_tokens alone.
+    c.draft_lengths = ""
     # Always verify R drafts; the engine's never-slower policy. The smoke run checks the
     # pipeline with "false" only (its assertions are stronger; tests cover the policy).
     c.adaptive = "false" if arg == "smoke" else "false,true"

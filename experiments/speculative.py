@@ -80,8 +80,17 @@ def _list(s: str) -> list[str]:
     return [x.strip() for x in str(s).split(",") if x.strip()]
 
 
+def draft_lengths(cfg) -> list[int]:
+    """The R values compared side by side: ``draft_lengths`` ("4,6,8"), else
+    ``num_speculative_tokens`` alone."""
+    return [int(r) for r in _list(cfg.draft_lengths)] or [int(cfg.num_speculative_tokens)]
+
+
 def check_config(cfg) -> None:
     """Clear errors for a bad override before any model is loaded."""
+    for r in _list(cfg.draft_lengths):
+        if not r.isdigit() or not 1 <= int(r) <= 16:
+            raise ValueError(f"draft_lengths={cfg.draft_lengths!r}: integers in [1, 16]")
     for b in _list(cfg.batches):
         if not b.isdigit() or int(b) < 1:
             raise ValueError(f"batches={cfg.batches!r}: positive integers")
@@ -99,7 +108,7 @@ def check_config(cfg) -> None:
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}: use ngram, draft, eagle")
     longest = max(per_batch(cfg.max_tokens, int(b)) for b in _list(cfg.batches))
-    need = cfg.max_chat_prompt_tokens + longest + cfg.num_speculative_tokens
+    need = cfg.max_chat_prompt_tokens + longest + max(draft_lengths(cfg))
     if need > cfg.chat_max_model_len:
         raise ValueError(f"chat_max_model_len={cfg.chat_max_model_len} < {need} (prompt + "
                          "max_tokens + R)")
@@ -140,12 +149,12 @@ def load_models(cfg) -> dict:
     return models
 
 
-def spec_config(cfg, models: dict, method: str, adaptive: bool) -> dict:
+def spec_config(cfg, models: dict, method: str, adaptive: bool, r: int) -> dict:
     """The ``speculative_config`` a user would pass for this method ("ngram-device": n-gram
-    drafts looked up on the device)."""
+    drafts looked up on the device) with R = ``r``."""
     on_device = method == "ngram-device"
     method = "ngram" if on_device else method
-    spec = {"method": method, "num_speculative_tokens": cfg.num_speculative_tokens,
+    spec = {"method": method, "num_speculative_tokens": r,
             "adaptive": adaptive}
     if method == "ngram":
         spec.update(prompt_lookup_max=cfg.ngram_max, prompt_lookup_min=cfg.ngram_min,
@@ -293,8 +302,10 @@ def measure(cfg, models: dict, workload: str, methods: list[str], batch: int,
         i = methods.index("ngram")
         methods = (methods[:i] + [{"host": "ngram", "device": "ngram-device"}[w] for w in where]
                    + methods[i + 1:])
-    variants = [(f"{m} adaptive={'on' if a else 'off'}", spec_config(cfg, models, m, a))
-                for m in methods if m not in skipped for a in adaptive]
+    rs = draft_lengths(cfg)
+    variants = [(f"{m} adaptive={'on' if a else 'off'}" + (f" R={r}" if len(rs) > 1 else ""),
+                 spec_config(cfg, models, m, a, r))
+                for m in methods if m not in skipped for a in adaptive for r in rs]
     for name, spec in variants + [("plain", None)]:
         if spec is None and not engines:
             return []  # every variant skipped: no plain run needed
@@ -336,7 +347,8 @@ def measure(cfg, models: dict, workload: str, methods: list[str], batch: int,
             runs[name].append(out[name])
         plain = runs["plain"][-1]["tok_s"]
         bar.set_postfix_str(" ".join(
-            f"{n.replace(' adaptive=', '/')} {runs[n][-1]['tok_s'] / plain:.2f}x"
+            f"{n.replace(' adaptive=', '/').replace(' R=', '/R')} "
+            f"{runs[n][-1]['tok_s'] / plain:.2f}x"
             for n in names[1:]))
     bar.close()
     rows = [variant_row(cfg, workload, name, batch, max_tokens, runs["plain"], runs[name],
@@ -365,10 +377,11 @@ def variant_row(cfg, workload: str, name: str, batch: int, max_tokens: int, plai
         ratios.append(t_verify / t_decode if t_verify and t_decode else None)
         verify_fracs.append(sum(v for _, v in s["steps"]) / max(len(s["steps"]), 1))
     metrics = engine.spec_metrics()
-    method, mode = name.split(" ")
+    method, mode = name.split(" ")[:2]
+    r = engine.spec.num_speculative_tokens
     return {
         "workload": workload, "method": method, "adaptive": mode.endswith("on"),
-        "batch": batch, "R": cfg.num_speculative_tokens, "pairs": len(spec),
+        "batch": batch, "R": r, "pairs": len(spec),
         "max_tokens": max_tokens, "prompt_group_reused": reused,
         "prompts": sorted({p.source for g in plan for p in g}),
         "held_out_prompts": sum(p.held_out for p in plan[0]),
@@ -387,16 +400,16 @@ def variant_row(cfg, workload: str, name: str, batch: int, max_tokens: int, plai
             _median(dt for dt, v in s["steps"] if v) for s in spec) if t),
         "verify_decode_cost": _median(ratios), "verify_decode_cost_per_pair": ratios,
         "verify_step_fraction": _median(verify_fracs),
-        "replay_lookup": (replay_lookup(cfg, plan, plain, 1.0, _median(ratios))
+        "replay_lookup": (replay_lookup(cfg, plan, plain, 1.0, _median(ratios), r)
                            if method.startswith("ngram") and batch == 1 and _median(ratios)
                            else None),
         "spec_metrics": metrics}
 
 
 def replay_lookup(cfg, plan: list[list[Prompt]], plain: list[dict], t_decode: float,
-                   t_verify: float) -> dict:
+                   t_verify: float, r: int) -> dict:
     """What the n-gram lookup allows at batch 1, from the plain runs' greedy outputs: each
-    output is replayed through ``NgramProposer`` (R = num_speculative_tokens), verifying
+    output is replayed through ``NgramProposer`` (R = ``r``), verifying
     whenever it finds drafts ("informed", as the host lookup does) or at every step ("blind",
     as the device lookup does), each verify costing ``t_verify`` and each plain step
     ``t_decode``. Returns both speedups at the measured costs and the verify / decode cost
@@ -404,7 +417,7 @@ def replay_lookup(cfg, plan: list[list[Prompt]], plain: list[dict], t_decode: fl
     decode)."""
     from llmserve.speculative.ngram import NgramProposer
 
-    prop = NgramProposer(cfg.ngram_max, cfg.ngram_min, cfg.num_speculative_tokens)
+    prop = NgramProposer(cfg.ngram_max, cfg.ngram_min, r)
     runs = [(list(group[0].ids), list(out["token_ids"][0])) for group, out in zip(plan, plain)]
 
     def replay(cost: float, blind: bool) -> float:
@@ -449,7 +462,7 @@ def _positions(values) -> Optional[str]:
 
 
 def _order(r: dict) -> tuple:
-    return (r["workload"] != GROUNDED, r["method"], r["adaptive"], r["batch"])
+    return (r["workload"] != GROUNDED, r["method"], r["adaptive"], r["R"], r["batch"])
 
 
 def report(rows: list[dict]) -> str:
@@ -458,7 +471,8 @@ def report(rows: list[dict]) -> str:
     for r in sorted(rows, key=_order):
         s = r["speedup"]
         cells.append([
-            r["workload"], r["method"], "on" if r["adaptive"] else "off", r["batch"], r["pairs"],
+            r["workload"], r["method"], "on" if r["adaptive"] else "off", r["R"], r["batch"],
+            r["pairs"],
             f"{s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]",
             f"{r['plain_tok_s']['median']:.1f}", f"{r['spec_tok_s']['median']:.1f}",
             "yes" if r["identical"] else
@@ -468,7 +482,7 @@ def report(rows: list[dict]) -> str:
             _f(r["spec_metrics"].get("predicted_tokens_per_row"), ".2f"),
             _positions(r["acceptance_per_position"]),
             _f(r["verify_decode_cost"], ".2f"), _f(r["verify_step_fraction"], ".0%")])
-    headers = ["workload", "method", "adaptive", "batch", "pairs",
+    headers = ["workload", "method", "adaptive", "R", "batch", "pairs",
                "speedup, median [min-max]", "plain tok/s", "spec tok/s", "greedy identical",
                "mean accepted length", "policy's expected tokens / verify row",
                "accept @ pos 1..R", "verify / decode step",
@@ -484,8 +498,8 @@ def notes(cfg, models: dict, rows: list[dict], prompts: dict, skipped: dict,
     lens = {w: [len(p.ids) for p in ps] for w, ps in prompts.items() if ps}
     out = [f"{target} {cfg.dtype}, {os.cpu_count()} shared CPU cores (1-min load "
            f"{min(loads):.1f}-{max(loads):.1f}); greedy, EOS ignored; R = "
-           f"{cfg.num_speculative_tokens}; batch = concurrent requests (max_num_seqs = decode "
-           "bucket = batch)",
+           f"{','.join(map(str, draft_lengths(cfg)))} drafts; batch = concurrent requests "
+           "(max_num_seqs = decode bucket = batch)",
            "prompt tokens (chat template included): " + ", ".join(
                f"{w} {min(v)}-{max(v)}" for w, v in lens.items()),
            "speedup: per pair (plain and every speculative variant on the same prompts, in "
@@ -514,9 +528,10 @@ def notes(cfg, models: dict, rows: list[dict], prompts: dict, skipped: dict,
         if c:
             need = c["verify_cost_for_2x"]
             out.append(
-                f"{r['method']} batch 1 replay (replay_lookup): the plain runs' {c['outputs']} "
-                "greedy outputs replayed through the n-gram lookup at the measured verify / "
-                f"decode cost {c['verify_decode_cost']:.2f}: {c['informed_speedup']:.2f}x "
+                f"{r['method']} R={r['R']} batch 1 replay (replay_lookup): the plain runs' "
+                f"{c['outputs']} greedy outputs replayed through the n-gram lookup at the "
+                f"measured verify / decode cost {c['verify_decode_cost']:.2f}: "
+                f"{c['informed_speedup']:.2f}x "
                 f"verifying whenever drafts are found, {c['blind_speedup']:.2f}x at every "
                 "step; 2x needs a verify step of "
                 + (f"at most {need:.2f} decode steps" if need else "less than a decode step"))
@@ -544,16 +559,18 @@ def plot(path: str, rows: list[dict], title: str) -> str:
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     methods = sorted({r["method"] for r in rows})
     color = {m: cycle[i % len(cycle)] for i, m in enumerate(methods)}
-    for (method, adaptive) in sorted({(r["method"], r["adaptive"]) for r in rows}):
-        rs = sorted((r for r in rows if (r["method"], r["adaptive"]) == (method, adaptive)),
-                    key=lambda r: r["batch"])
+    many_r = len({r["R"] for r in rows}) > 1
+    for (method, adaptive, r_) in sorted({(r["method"], r["adaptive"], r["R"]) for r in rows}):
+        rs = sorted((r for r in rows if (r["method"], r["adaptive"], r["R"])
+                     == (method, adaptive, r_)), key=lambda r: r["batch"])
         med = [r["speedup"]["median"] for r in rs]
         err = [[m - r["speedup"]["min"] for m, r in zip(med, rs)],
                [r["speedup"]["max"] - m for m, r in zip(med, rs)]]
         ax1.errorbar([r["batch"] for r in rs], med, yerr=err, color=color[method], capsize=3,
                      marker="o", linestyle="-" if adaptive else "--",
                      markerfacecolor=None if adaptive else "none",
-                     label=f"{method} ({rs[0]['workload']}) adaptive {'on' if adaptive else 'off'}")
+                     label=f"{method} ({rs[0]['workload']}) adaptive {'on' if adaptive else 'off'}"
+                     + (f" R={r_}" if many_r else ""))
     ax1.axhline(1.0, color="gray", linewidth=0.8)
     ax1.set_xscale("log", base=2)
     batches = sorted({r["batch"] for r in rows})
@@ -566,7 +583,7 @@ def plot(path: str, rows: list[dict], title: str) -> str:
         acc = [float("nan") if v is None else v for v in r["acceptance_per_position"]]
         shade = 0.35 + 0.65 * (batches.index(r["batch"]) + 1) / len(batches)
         ax2.plot(range(1, len(acc) + 1), acc, marker="o", color=color[r["method"]], alpha=shade,
-                 label=f"{r['method']} batch {r['batch']}")
+                 label=f"{r['method']} batch {r['batch']}" + (f" R={r['R']}" if many_r else ""))
     ax2.set_xticks(range(1, max(r["R"] for r in rows) + 1))
     ax2.set_xlabel("draft position j")
     ax2.set_ylabel("P(draft j accepted | carried)")
@@ -583,12 +600,14 @@ def summarize(rows: list[dict]) -> dict:
     out: dict = {"all_identical": all(r["identical"] for r in rows),
                  "all_identical_up_to_near_ties": all(r.get("identical_up_to_near_ties",
                                                             r["identical"]) for r in rows)}
+    many_r = len({r["R"] for r in rows}) > 1
     for r in rows:
-        tag = "adaptive" if r["adaptive"] else "always"
+        tag = ("adaptive" if r["adaptive"] else "always") + (f"_R{r['R']}" if many_r else "")
         if r["batch"] == min(x["batch"] for x in rows):
             out[f"{r['method']}_b{r['batch']}_speedup_{tag}"] = r["speedup"]["median"]
             out[f"{r['method']}_b{r['batch']}_mean_accepted_{tag}"] = r["mean_accepted_length"]
-            cost = f"{r['method']}_b{r['batch']}_verify_decode_cost"
+            cost = f"{r['method']}_b{r['batch']}_verify_decode_cost" + (
+                f"_R{r['R']}" if many_r else "")
             if not r["adaptive"] or cost not in out:  # always verifying's, else the adaptive's
                 out[cost] = r["verify_decode_cost"]
     adaptive = [r for r in rows if r["adaptive"]]
@@ -612,7 +631,7 @@ def main(argv) -> None:
     prompts = {GROUNDED: grounded_prompts(cfg, tok) if work[GROUNDED] else [],
                CHAT: chat_prompts(cfg, tok, max(batches)) if work[CHAT] else []}
     for p in prompts[GROUNDED]:
-        need = len(p.ids) + per_batch(cfg.max_tokens, max(batches)) + cfg.num_speculative_tokens
+        need = len(p.ids) + per_batch(cfg.max_tokens, max(batches)) + max(draft_lengths(cfg))
         if need > cfg.grounded_max_model_len:
             raise ValueError(f"grounded_max_model_len={cfg.grounded_max_model_len} < {need} "
                              f"({p.source})")
@@ -646,7 +665,8 @@ def main(argv) -> None:
     out = common.run_dir("speculative", cfg.out_root or None)
     model = cfg.target_model or "SmolLM2-135M"
     png = plot(os.path.join(out, "speculative.png"), rows,
-               f"Speculative decoding, {model} {cfg.dtype}, R={cfg.num_speculative_tokens}, "
+               f"Speculative decoding, {model} {cfg.dtype}, "
+               f"R={','.join(map(str, draft_lengths(cfg)))}, "
                f"{os.cpu_count()} CPU cores")
     path = common.write_results(
         out, "speculative", cfg, sorted(rows, key=_order), summarize(rows), caveats, [png],

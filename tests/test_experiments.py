@@ -181,20 +181,41 @@ def test_replay_lookup_counts_verify_steps_by_hand():
     from experiments.spec_workloads import Prompt
     from experiments.speculative import replay_lookup
 
-    cfg = types.SimpleNamespace(ngram_max=3, ngram_min=1, num_speculative_tokens=4)
+    cfg = types.SimpleNamespace(ngram_max=3, ngram_min=1)
     plan = [[Prompt(ids=(5, 6, 7, 8, 9, 5), source="copy")]]
     plain = [{"token_ids": [[6, 7, 8, 9, 5, 6, 7, 8]]}]
-    got = replay_lookup(cfg, plan, plain, 1.0, 1.5)
+    got = replay_lookup(cfg, plan, plain, 1.0, 1.5, 4)
     assert got["informed_speedup"] == pytest.approx(8 / 3) == got["blind_speedup"]
     assert got["verify_cost_for_2x"] == pytest.approx(2.0, abs=1e-6)
     # An output the prompt never predicts: one wasted verify (the prompt's last token 5
     # matched), then plain steps (informed: 4 tokens in 1.5 + 3 step times); the blind replay
     # pays a verify for every token.
     plain = [{"token_ids": [[11, 12, 13, 14]]}]
-    got = replay_lookup(cfg, plan, plain, 1.0, 1.5)
+    got = replay_lookup(cfg, plan, plain, 1.0, 1.5, 4)
     assert got["informed_speedup"] == pytest.approx(4 / 4.5)
     assert got["blind_speedup"] == pytest.approx(1 / 1.5)
     assert got["verify_cost_for_2x"] is None
+
+
+def test_speculative_benchmark_compares_draft_lengths_side_by_side():
+    """``draft_lengths`` lists the R values run as variants of the same pairs (default: R =
+    ``num_speculative_tokens`` alone); a bad list is refused before any model loads."""
+    from experiments.speculative import check_config, draft_lengths
+
+    cfg = load_config_module("speculative").get_config("small")
+    assert draft_lengths(cfg) == [cfg.num_speculative_tokens] == [4]
+    cfg.draft_lengths = "4, 5,8"
+    assert draft_lengths(cfg) == [4, 5, 8]
+    check_config(cfg)
+    for bad in ("0", "4,x", "17"):
+        cfg.draft_lengths = bad
+        with pytest.raises(ValueError, match="draft_lengths"):
+            check_config(cfg)
+    # The longest R must fit the chat length limit too.
+    cfg.draft_lengths = "4,16"
+    cfg.chat_max_model_len = cfg.max_chat_prompt_tokens + 32 + 4
+    with pytest.raises(ValueError, match="chat_max_model_len"):
+        check_config(cfg)
 
 
 @pytest.mark.parametrize("script", ["scripts/gpu_check.sh", "scripts/bench_vllm_cpu.sh"])
