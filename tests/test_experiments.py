@@ -197,6 +197,18 @@ def test_replay_lookup_counts_verify_steps_by_hand():
     assert got["verify_cost_for_2x"] is None
 
 
+def test_interleaved_rotates_the_order_every_repeat():
+    """Every system runs once per repeat, and none always follows the same one."""
+    from experiments.common import interleaved
+
+    calls = []
+    fns = {n: (lambda rep, n=n: calls.append((rep, n)) or {"rep": rep}) for n in "ABC"}
+    out = interleaved(fns, 4, log=lambda _: None)
+    assert [n for _, n in calls] == list("ABC" "BCA" "CAB" "ABC")
+    assert [r for r, _ in calls] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    assert out == {n: [{"rep": r} for r in range(4)] for n in "ABC"}
+
+
 def test_speculative_benchmark_compares_draft_lengths_side_by_side():
     """``draft_lengths`` lists the R values run as variants of the same pairs (default: R =
     ``num_speculative_tokens`` alone); a bad list is refused before any model loads."""
