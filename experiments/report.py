@@ -6,8 +6,12 @@ r"""Collects the latest experiment results into docs/results.md, docs/img/ and t
 For each row of the technique table it takes the newest results/<experiment>/<timestamp>/
 results.json whose config name is the row's full run (CPU column: a run on CPU; GPU column: a
 run on a GPU), reads its ``summary``, and writes the measured cell beside the usual claim with
-the command that produced it. A row with no such run says "not yet measured" and the command
-that would measure it. Plots are copied to docs/img/<experiment>.png. The README's table sits
+the command that produced it; among runs of that config, the newest that measured every number
+of the cell (a run of two systems does not blank the HF ratio). A cell with no such run here
+keeps the text it has in the README's table (or docs/results.md), so a checkout without
+earlier sessions' results/ keeps their numbers; only a cell never measured anywhere says "not
+yet measured", with the command that would measure it. docs/results.md keeps its sections for
+runs not rebuilt this time. Plots are copied to docs/img/<experiment>.png. The README's table sits
 between the ``<!-- results:begin -->`` and ``<!-- results:end -->`` markers and is replaced.
 """
 
@@ -154,40 +158,96 @@ def runs(root: str, experiment: str) -> list[dict]:
     return out
 
 
-def pick(all_runs: list[dict], name: str, gpu: bool, allow_smoke: bool) -> Optional[dict]:
-    """The newest run of the row's full config on the wanted platform (else a smoke run)."""
+def pick(all_runs: list[dict], row: Row, gpu: bool, allow_smoke: bool) -> Optional[dict]:
+    """The newest run of the row's full config on the wanted platform (else a smoke run) that
+    measured every number of the row's cell; the newest one if none did."""
     def on(r):
         return (r.get("machine", {}).get("jax_backend") == "gpu") == gpu
 
-    for wanted in [name] + (["smoke"] if allow_smoke else []):
-        for r in all_runs:
-            if r.get("name") == wanted and on(r):
-                return r
+    for wanted in [row.name] + (["smoke"] if allow_smoke else []):
+        found = [r for r in all_runs if r.get("name") == wanted and on(r)]
+        if found:
+            return next((r for r in found if "?" not in _measured(row, r)), found[0])
     return None
 
 
-def cell(row: Row, run: Optional[dict]) -> str:
-    if run is None:
-        return NOT_MEASURED
+def _measured(row: Row, run: dict) -> str:
     # Summary numbers, with the run's config fields (e.g. the budget a count refers to) behind.
-    text = row.cell({**run.get("config", {}), **run.get("summary", {})})
+    return row.cell({**run.get("config", {}), **run.get("summary", {})})
+
+
+def cell(row: Row, run: Optional[dict], previous: Optional[str] = None) -> str:
+    """The measured cell; ``previous`` (the table's current text) where no run exists here, or
+    where the only runs left numbers of the cell unmeasured ("?")."""
+    measured_before = previous not in (None, NOT_MEASURED)
+    if run is None or ("?" in _measured(row, run) and measured_before):
+        return previous if measured_before else NOT_MEASURED
+    text = _measured(row, run)
     if run.get("name") == "smoke":
         text = "[smoke run: pipeline check only] " + text
     return f"{text} ({run.get('machine', {}).get('time', '?')[:10]})"
 
 
-def build(root: str, docs: str, allow_smoke: bool) -> tuple[str, str]:
-    """Writes docs/results.md and docs/img/*.png; returns (the table, the README section)."""
+def table_cells(text: str) -> dict[str, list[str]]:
+    """technique -> [CPU cell, GPU cell, command] of the technique table in ``text``."""
+    out = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == 6 and cells[0] in {r.technique for r in ROWS}:
+            out[cells[0]] = cells[3:]
+    return out
+
+
+def previous_cells(readme: str, docs: str) -> dict[str, list[str]]:
+    """The table as it stands: the README's section when it has one, else docs/results.md."""
+    for path in (readme, os.path.join(docs, "results.md")):
+        if path and os.path.isfile(path):
+            with open(path) as fh:
+                text = fh.read()
+            if path == readme:
+                if BEGIN not in text or END not in text:
+                    continue
+                text = text.split(BEGIN, 1)[1].split(END, 1)[0]
+            cells = table_cells(text)
+            if cells:
+                return cells
+    return {}
+
+
+def previous_sections(docs: str) -> dict[str, str]:
+    """docs/results.md's detail sections by heading ("### kernels (full, cpu)")."""
+    path = os.path.join(docs, "results.md")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as fh:
+        parts = ("\n" + fh.read()).split("\n### ")[1:]
+    return {"### " + p.split("\n", 1)[0]: "### " + p.rstrip("\n") + "\n" for p in parts}
+
+
+def build(root: str, docs: str, allow_smoke: bool,
+          previous: Optional[dict[str, list[str]]] = None) -> tuple[str, str]:
+    """Writes docs/results.md and docs/img/*.png; returns (the table, the README section).
+    ``previous``: technique -> [CPU cell, GPU cell, command] kept where no run is found."""
     img = os.path.join(docs, "img")
     os.makedirs(img, exist_ok=True)
+    previous = previous or {}
+    kept_sections = previous_sections(docs)
     lines, details, chosen = [], [], {}
     for row in ROWS:
         rs = runs(root, row.experiment)
-        cpu, gpu = pick(rs, row.name, False, allow_smoke), pick(rs, row.name, True, allow_smoke)
-        # The command that produced the CPU cell (overrides included), else the default one.
-        command = (cpu or {}).get("command") or row.command
-        lines.append([row.technique, row.solves, row.claim, cell(row, cpu), cell(row, gpu),
-                      f"`{command}`"])
+        cpu, gpu = pick(rs, row, False, allow_smoke), pick(rs, row, True, allow_smoke)
+        old_cpu, old_gpu, old_command = previous.get(row.technique, [None, None, None])
+        cpu_cell = cell(row, cpu, old_cpu)
+        # The command that produced the CPU cell (overrides included): its run's, the kept
+        # cell's, else the default one.
+        if cpu is not None and cpu.get("command") and cpu_cell != old_cpu:
+            command = f"`{cpu['command']}`"
+        elif old_cpu not in (None, NOT_MEASURED) and old_command:
+            command = old_command
+        else:
+            command = f"`{row.command}`"
+        lines.append([row.technique, row.solves, row.claim, cpu_cell, cell(row, gpu, old_gpu),
+                      command])
         for run in (cpu, gpu):
             if run is not None:
                 chosen[(row.experiment, run["name"], run["_dir"])] = run
@@ -203,6 +263,7 @@ def build(root: str, docs: str, allow_smoke: bool) -> tuple[str, str]:
                 shutil.copyfile(src, os.path.join(img, dst))
                 pics.append(f"![{experiment} {name}](img/{dst})")
         m = run.get("machine", {})
+        kept_sections.pop(f"### {experiment} ({name}, {backend})", None)
         details.append(f"### {experiment} ({name}, {backend})\n\n`{run.get('command', '')}`"
                        f" on {m.get('cpu_count')} CPU cores / {', '.join(m.get('devices', []))}"
                        f", {m.get('time')}, jax {run.get('versions', {}).get('jax')}\n\n"
@@ -212,8 +273,9 @@ def build(root: str, docs: str, allow_smoke: bool) -> tuple[str, str]:
     doc = ("# Results\n\nGenerated by `make report` (`python -m experiments.report`) from the "
            "latest runs under `results/`; `make results` reruns every experiment first. CPU "
            "numbers come from the machine named in each section; GPU cells stay \""
-           f"{NOT_MEASURED}\" until a GPU run exists (`scripts/gpu_check.sh`).\n\n{table}\n\n"
-           + "\n".join(details))
+           f"{NOT_MEASURED}\" until a GPU run exists (`scripts/gpu_check.sh`); a cell whose "
+           "run is not under this checkout's `results/` keeps its earlier text, and so does "
+           f"its section below.\n\n{table}\n\n" + "\n".join(details + list(kept_sections.values())))
     with open(os.path.join(docs, "results.md"), "w") as fh:
         fh.write(doc)
     plot = next((f"docs/img/{f}" for f in sorted(os.listdir(img))
@@ -241,7 +303,8 @@ def update_readme(path: str, section: str) -> bool:
 def main(argv) -> None:
     del argv
     root = _ROOT.value or os.environ.get("LLMSERVE_RESULTS", common.RESULTS_ROOT)
-    table, section = build(root, _DOCS.value, _SMOKE.value)
+    table, section = build(root, _DOCS.value, _SMOKE.value,
+                           previous_cells(_README.value, _DOCS.value))
     print(table)
     if _README.value:
         if update_readme(_README.value, section):

@@ -596,18 +596,20 @@ def plot(path: str, rows: list[dict], title: str) -> str:
 
 def summarize(rows: list[dict]) -> dict:
     """Headline numbers for experiments/report.py: batch-1 speedups, the worst adaptive row,
-    the batch-1 verify cost and whether every greedy output matched."""
+    the batch-1 verify cost and whether every greedy output matched. With several R values
+    (``draft_lengths``) the smallest R's rows give the plain keys, the others' keys end in
+    ``_R<r>``."""
     out: dict = {"all_identical": all(r["identical"] for r in rows),
                  "all_identical_up_to_near_ties": all(r.get("identical_up_to_near_ties",
                                                             r["identical"]) for r in rows)}
-    many_r = len({r["R"] for r in rows}) > 1
+    first_r = min((r.get("R", 0) for r in rows), default=None)  # headline keys; others _R<r>
     for r in rows:
-        tag = ("adaptive" if r["adaptive"] else "always") + (f"_R{r['R']}" if many_r else "")
+        suffix = "" if r.get("R", 0) == first_r else f"_R{r['R']}"
+        tag = ("adaptive" if r["adaptive"] else "always") + suffix
         if r["batch"] == min(x["batch"] for x in rows):
             out[f"{r['method']}_b{r['batch']}_speedup_{tag}"] = r["speedup"]["median"]
             out[f"{r['method']}_b{r['batch']}_mean_accepted_{tag}"] = r["mean_accepted_length"]
-            cost = f"{r['method']}_b{r['batch']}_verify_decode_cost" + (
-                f"_R{r['R']}" if many_r else "")
+            cost = f"{r['method']}_b{r['batch']}_verify_decode_cost" + suffix
             if not r["adaptive"] or cost not in out:  # always verifying's, else the adaptive's
                 out[cost] = r["verify_decode_cost"]
     adaptive = [r for r in rows if r["adaptive"]]

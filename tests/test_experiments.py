@@ -152,6 +152,56 @@ def test_report_collects_the_table_and_updates_the_readme(smoke_results, tmp_pat
     assert "| PagedAttention |" in text
 
 
+def test_report_keeps_cells_and_sections_it_has_no_run_for(tmp_path):
+    """A checkout without earlier sessions' results/: ``make report`` keeps the README's cells
+    (and docs/results.md's sections) it cannot rebuild, and among runs of a row's config takes
+    the newest that measured the whole cell, not a newer partial one."""
+    from experiments import report
+
+    readme = tmp_path / "README.md"
+    hand = "hand-measured 2.0x (2026-12-01)"
+    readme.write_text(
+        f"intro\n{report.BEGIN}\n| technique | what it solves | usual claim | measured here (CPU) "
+        "| measured (GPU) | command |\n|---|---|---|---|---|---|\n"
+        f"| PagedAttention | x | y | {hand} | not yet measured | `python -m experiments.paged "
+        f"--config.x=1` |\n{report.END}\ntail\n")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "results.md").write_text("# Results\n\nold table\n\n### paged (full, cpu)\n\n"
+                                     "kept details\n\n### throughput (32, cpu)\n\nstale\n")
+    results = tmp_path / "results"
+    summary = {"continuous_vs_hf_single": 16.0, "continuous_vs_hf_batch": 3.0}
+    for stamp, summ in (("20261201-000000", summary),  # older, complete
+                        ("20261202-000000", {"continuous_vs_hf_batch": 2.5})):  # newer, partial
+        run = results / "throughput" / stamp
+        run.mkdir(parents=True)
+        (run / "results.json").write_text(json.dumps({
+            "name": "32", "summary": summ, "command": f"python -m experiments.throughput {stamp}",
+            "machine": {"time": stamp[:4] + "-12-0" + stamp[7], "jax_backend": "cpu"},
+            "notes": [], "plots": []}))
+    prev = report.previous_cells(str(readme), str(docs))
+    assert prev["PagedAttention"][0] == hand
+    table, section = report.build(str(results), str(docs), False, prev)
+    cells = report.table_cells(table)
+    assert cells["PagedAttention"][0] == hand  # no paged run here: the README's text stays
+    assert cells["PagedAttention"][2] == "`python -m experiments.paged --config.x=1`"
+    assert cells["GQA / MQA"][0] == report.NOT_MEASURED  # measured nowhere
+    everything = cells["All of them vs naive HF `generate`"]
+    assert "16.0x HF one by one" in everything[0] and "?" not in everything[0]
+    assert "20261201-000000" in everything[2]
+    doc = (docs / "results.md").read_text()
+    assert "kept details" in doc and "stale" not in doc  # (32, cpu) was rebuilt from its run
+    assert hand in section
+    # A row whose only run leaves numbers unmeasured keeps the text it had.
+    partial = results / "throughput" / "20261201-000000"
+    (partial / "results.json").write_text((partial / "results.json").read_text().replace(
+        '"continuous_vs_hf_single": 16.0, ', ""))
+    prev["All of them vs naive HF `generate`"] = ["earlier 15x", "not yet measured", "`cmd`"]
+    cells = report.table_cells(report.build(str(results), str(docs), False, prev)[0])
+    assert cells["All of them vs naive HF `generate`"] == ["earlier 15x", "not yet measured",
+                                                            "`cmd`"]
+
+
 def test_speculative_summary_of_a_run_that_measured_one_policy():
     """A run with ``--config.adaptive=true`` only: the report's cell names what it measured
     (no "?" for the missing always-verify rows), with the adaptive verify cost."""
@@ -169,6 +219,12 @@ def test_speculative_summary_of_a_run_that_measured_one_policy():
     assert "never below 0.99x" in only
     both = spec_cell(summarize([row(1, True, 1.8, 1.2), row(1, False, 2.0, 1.1)]))
     assert "2.00x always / 1.80x adaptive" in both and "1.10x a decode" in both
+    # Several R side by side (draft_lengths): the smallest R heads the cell, the rest keep
+    # their own keys.
+    many = summarize([{**row(1, True, 1.8, 1.2), "R": 8}, {**row(1, True, 1.7, 1.1), "R": 4}])
+    assert many["ngram_b1_speedup_adaptive"] == 1.7 and many["ngram_b1_speedup_adaptive_R8"] == 1.8
+    assert many["ngram_b1_verify_decode_cost_R8"] == 1.2
+    assert "1.70x adaptive" in spec_cell(many)
 
 
 def test_replay_lookup_counts_verify_steps_by_hand():
