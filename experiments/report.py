@@ -92,7 +92,9 @@ def spec_cell(s: dict) -> str:
             parts.append(f"{what} " + " / ".join(modes))
     floor = s.get("min_speedup_adaptive")
     return (f"batch {b}: " + "; ".join(parts or ["?"])
-            + (f"; adaptive never below {_x(floor, '.2f')} at any batch" if floor else "")
+            + (f"; adaptive never below {_x(floor, '.2f')} at "
+               + (f"batches {', '.join(map(str, s['batches']))}" if s.get("batches")
+                  else "any batch") if floor else "")
             + f"; a verify step costs {_x(s.get(f'ngram_b{b}_verify_decode_cost'), '.2f')} a "
               "decode step (n-gram)"
             + ("; greedy output identical" if s.get("all_identical", True) else

@@ -618,6 +618,7 @@ def summarize(rows: list[dict]) -> dict:
         out["min_speedup_adaptive"] = worst["speedup"]["median"]
         out["min_speedup_adaptive_row"] = f"{worst['method']} batch {worst['batch']}"
     out["first_batch"] = min((r["batch"] for r in rows), default=None)
+    out["batches"] = sorted({r["batch"] for r in rows})
     return out
 
 
