@@ -26,11 +26,12 @@ with SmolLM2's tokenizer, at distinct random offsets):
            clipped to 4..500: a long tail), 16 slots; repeat r uses workload seed r (3 seeds).
   "smoke": 6 requests on a random-weight tiny model ("tiny-9-3"): checks the pipeline only.
 
-Systems run interleaved (A B C D, A B C D, ...), ``repeats`` times, in one process (vLLM in a
-subprocess of .venv-vllm when that venv exists). Each row reports the median tokens/s and the
-spread. The continuous row also gets an "ideal schedule": the same requests on the same slots
-with every freed slot refilled at once, costed with decode step times measured per batch bucket
-on this engine plus the fastest measured prefill cost per token.
+Systems run interleaved, the order rotated every repeat (A B C D, B C D A, ...), ``repeats``
+times, in one process (vLLM in a subprocess of .venv-vllm when that venv exists). Each row
+reports the median tokens/s and the spread. The continuous row also gets an "ideal schedule":
+the same requests on the same slots with every freed slot refilled at once, costed with decode
+step times measured per batch bucket on this engine plus the fastest measured prefill cost per
+token.
 
 Times: 3 repeats with vLLM in both modes and without hf_batch (scripts/bench_vllm_cpu.sh), bf16
 (fp32 ~1.5x). Measured (2-core CPU, SmolLM2-135M-Instruct; README "Measured on a 2-core CPU"):
