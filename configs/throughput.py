@@ -31,7 +31,9 @@ times, in one process (vLLM in a subprocess of .venv-vllm when that venv exists)
 reports the median tokens/s and the spread. The continuous row also gets an "ideal schedule":
 the same requests on the same slots with every freed slot refilled at once, costed with decode
 step times measured per batch bucket on this engine plus the fastest measured prefill cost per
-token.
+token; and a "bucketed schedule": greedy admission with every step priced at its measured
+prefill and decode buckets, prompts padded to their bucket (``continuous_wall_vs_bucketed``: the
+engine against its own step costs, without host time or real-context effects).
 
 Times: 3 repeats with vLLM in both modes and without hf_batch (scripts/bench_vllm_cpu.sh), bf16
 (fp32 ~1.5x). Measured (2-core CPU, SmolLM2-135M-Instruct; README "Measured on a 2-core CPU"):

@@ -171,4 +171,64 @@ def ideal_schedule(workload: list[Request], slots: int, times: dict) -> Optional
             done += 1
     prefill_s = per_token * sum(len(r.prompt_ids) for r in workload)
     return {"wall_s": decode_s + prefill_s, "decode_s": decode_s, "prefill_s": prefill_s,
-            "decode_steps": steps, "generated_tokens": sum(r.max_tokens for r in workload)}
+            "decode_steps": steps, "generated_tokens": sum(r.max_tokens for r in workload),
+            "bucketed": bucketed_schedule(workload, slots, times)}
+
+
+def bucketed_schedule(workload: list[Request], slots: int, times: dict,
+                      max_seqs: int = 8) -> Optional[dict]:
+    """Wall time of greedy continuous batching on the measured per-bucket step costs: a
+    yardstick between the ideal (prefill at the cheapest rate, no padding) and the engine.
+
+    Every step admits waiting requests (FCFS) into free slots, as many prompt chunks as one
+    step's largest prefill bucket holds (``max_seqs`` at most; a longer prompt continues next
+    step), each chunk taking ceil(len / C) rows of C tokens. A step with prompt rows costs its
+    prefill bucket plus, when decode rows ride beside them, what those rows add to a decode
+    step (decode bucket minus the smallest one: the weights are read once); a decode-only step
+    costs its decode bucket. No host time, every step at the probe's context. A request emits
+    its first token from its last chunk's step, then one token per decode step.
+    """
+    if not times or not times.get("decode") or not times.get("prefill"):
+        return None
+    decode = {int(b): t for b, t in times["decode"].items()}
+    dbuckets = sorted(decode)
+    prefill = sorted((int(k.split("x")[0]), int(k.split("x")[1]), t)
+                     for k, t in times["prefill"].items())
+    chunk = prefill[-1][1]
+    max_rows = prefill[-1][0]
+
+    def decode_cost(rows: int) -> float:
+        return decode[next((b for b in dbuckets if b >= rows), dbuckets[-1])]
+
+    queue = [[len(r.prompt_ids), r.max_tokens] for r in workload]  # [prompt left, tokens left]
+    nxt, wall, steps, prefill_steps = 0, 0.0, 0, 0
+    filling: list[list[int]] = []  # admitted, prompt not yet computed
+    decoding: list[int] = []  # tokens still to emit
+    while nxt < len(queue) or filling or decoding:
+        while len(filling) + len(decoding) < slots and nxt < len(queue):
+            filling.append(queue[nxt])
+            nxt += 1
+        rows, carried = 0, []
+        for req in filling[:max_seqs]:
+            take = min(-(-req[0] // chunk), max_rows - rows)
+            if take <= 0:
+                break
+            rows += take
+            carried.append((req, take))
+        steps += 1
+        if rows:
+            prefill_steps += 1
+            cost = next((t for r, _, t in prefill if r >= rows), prefill[-1][2])
+            if decoding:
+                cost += decode_cost(len(decoding)) - decode[dbuckets[0]]
+        else:
+            cost = decode_cost(len(decoding))
+        wall += cost
+        decoding = [n - 1 for n in decoding if n > 1]
+        for req, take in carried:
+            req[0] = max(0, req[0] - take * chunk)
+            if req[0] == 0:
+                filling.remove(req)
+                if req[1] > 1:
+                    decoding.append(req[1] - 1)  # its first token came from this step
+    return {"wall_s": wall, "steps": steps, "prefill_steps": prefill_steps}

@@ -188,7 +188,8 @@ def aggregate(runs: dict[str, list[dict]]) -> dict[str, dict]:
 
 def ratios(runs: dict[str, list[dict]], ideal: list[Optional[dict]]) -> dict[str, dict]:
     """llmserve continuous over every other system, per repeat (same workload seed), then the
-    median and spread; and measured continuous wall time over the ideal schedule's."""
+    median and spread; and measured continuous wall time over the ideal schedule's and over
+    the bucketed schedule's (schedule.bucketed_schedule)."""
     out = {}
     base = runs.get("llmserve_continuous")
     if base is None:
@@ -200,6 +201,9 @@ def ratios(runs: dict[str, list[dict]], ideal: list[Optional[dict]]) -> dict[str
     if all(ideal):
         out["continuous_wall_vs_ideal"] = common.spread(
             [a["wall_s"] / i["wall_s"] for a, i in zip(base, ideal)])
+        if all(i.get("bucketed") for i in ideal):
+            out["continuous_wall_vs_bucketed"] = common.spread(
+                [a["wall_s"] / i["bucketed"]["wall_s"] for a, i in zip(base, ideal)])
     return out
 
 

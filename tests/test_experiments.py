@@ -100,6 +100,26 @@ def test_smoke_throughput_systems_agree_and_are_interleaved(smoke_results):
     assert rows["hf_single"]["extrapolated"] is True
     assert any("extrapolated" in n for n in data["notes"])
     assert data["ideal_schedule"][0]["wall_s"] > 0
+    assert data["ideal_schedule"][0]["bucketed"]["wall_s"] > 0
+    assert "continuous_wall_vs_bucketed" in data["ratios"]
+
+
+def test_bucketed_schedule_prices_each_step_by_its_buckets():
+    """Three slots, prefill buckets of 1 and 2 rows of 4 tokens, worked by hand: step 1 admits
+    A, B, C and fills 2 rows (A's 4 tokens, B's first 4): 12; step 2 B's last 2 and C's 3 tokens
+    (2 rows) beside A's decode row: 12 + (decode(1) - decode(1)); step 3 admits D into the slot
+    B freed (1 row) beside A's and C's decode rows: 10 + (decode(2) - decode(1)) = 10.5."""
+    from experiments.schedule import bucketed_schedule
+    from experiments.workloads import Request
+
+    times = {"decode": {1: 1.0, 2: 1.5, 4: 2.0}, "prefill": {"1x4": 10.0, "2x4": 12.0}}
+    workload = [Request(prompt_ids=(1,) * n, max_tokens=m)
+                for n, m in ((4, 3), (6, 1), (3, 2), (4, 1))]
+    got = bucketed_schedule(workload, 3, times)
+    assert got == {"wall_s": pytest.approx(34.5), "steps": 3, "prefill_steps": 3}
+    # Decode-only steps cost their decode bucket: one request of 9 tokens after its prompt.
+    got = bucketed_schedule([Request(prompt_ids=(1, 2), max_tokens=10)], 3, times)
+    assert got == {"wall_s": pytest.approx(10.0 + 9 * 1.0), "steps": 10, "prefill_steps": 1}
 
 
 @pytest.mark.slow
