@@ -149,8 +149,7 @@ def ideal_schedule(workload: list[Request], slots: int, times: dict) -> Optional
     import heapq
 
     buckets = sorted(times["decode"])
-    per_token = min(t / (int(k.split("x")[0]) * int(k.split("x")[1]))
-                    for k, t in times["prefill"].items())
+    per_token = min(t / (rows * chunk) for rows, chunk, t in _prefill_buckets(times))
     pending = [r.max_tokens - 1 for r in workload]
     live: list[int] = []  # remaining decode steps of each running request (a min-heap)
     decode_s, steps, nxt, done = 0.0, 0, 0, 0
@@ -175,6 +174,12 @@ def ideal_schedule(workload: list[Request], slots: int, times: dict) -> Optional
             "bucketed": bucketed_schedule(workload, slots, times)}
 
 
+def _prefill_buckets(times: dict) -> list[tuple[int, int, float]]:
+    """The probe's prefill costs as (rows, chunk, seconds), fewest rows first ("16x8" keys)."""
+    return sorted((int(k.split("x")[0]), int(k.split("x")[1]), t)
+                  for k, t in times["prefill"].items())
+
+
 def bucketed_schedule(workload: list[Request], slots: int, times: dict,
                       max_seqs: int = 8) -> Optional[dict]:
     """Wall time of greedy continuous batching on the measured per-bucket step costs: a
@@ -192,8 +197,7 @@ def bucketed_schedule(workload: list[Request], slots: int, times: dict,
         return None
     decode = {int(b): t for b, t in times["decode"].items()}
     dbuckets = sorted(decode)
-    prefill = sorted((int(k.split("x")[0]), int(k.split("x")[1]), t)
-                     for k, t in times["prefill"].items())
+    prefill = _prefill_buckets(times)
     chunk = prefill[-1][1]
     max_rows = prefill[-1][0]
 
@@ -227,8 +231,7 @@ def bucketed_schedule(workload: list[Request], slots: int, times: dict,
         decoding = [n - 1 for n in decoding if n > 1]
         for req, take in carried:
             req[0] = max(0, req[0] - take * chunk)
-            if req[0] == 0:
-                filling.remove(req)
-                if req[1] > 1:
-                    decoding.append(req[1] - 1)  # its first token came from this step
+            if req[0] == 0 and req[1] > 1:
+                decoding.append(req[1] - 1)  # its first token came from this step
+        filling = [req for req in filling if req[0] > 0]
     return {"wall_s": wall, "steps": steps, "prefill_steps": prefill_steps}
