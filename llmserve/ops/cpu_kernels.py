@@ -180,7 +180,7 @@ AMX_XLA_MIN_ROWS = 8
 # Without AMX, bf16 stays native at every row count, though XLA's dot is faster per step from
 # about 96 rows on an AVX512_BF16 Zen 4 (whole SmolLM2 step probes, the two rules in
 # alternating processes: a 512-token prefill step 307.5 vs 341.7-345.5 ms, a 128-row decode
-# step 160.8 vs 173.5). End to end, XLA from 96 rows lost: the bf16 heavy tail (512 requests,
+# step 160.8 vs 173.5). End to end it lost or tied: the bf16 heavy tail (512 requests,
 # 16 slots) 124.8 / 124.7 s against 123.1 / 122.3 native, and 256 requests at 256 slots
 # 78.8 / 76.8 s against 77.4 / 78.6 (2026-12-06; README, the `cpu` backend).
 
