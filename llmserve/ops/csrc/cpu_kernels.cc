@@ -201,8 +201,8 @@ struct Scratch {
     const int64_t rows = d.t * d.groups, rows4 = (rows + 3) / 4 * 4;
     q.resize(rows4 * d.h);
     acc.resize(rows * d.h);
-    mx.resize(rows);
-    den.resize(rows);
+    mx.resize(rows4 * 8);  // the AVX-512 path: 16 floats per group of <= 4 (>= 2) rows
+    den.resize(rows4 * 8);
     pos.resize(rows);
     kb.resize(d.page_size * d.h);
     vb.resize(d.page_size * d.h);
@@ -377,6 +377,20 @@ inline __m512 TreeSum16(const __m512* a) {
                        _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
 }
 
+// Reduces each of 4 vectors at once (op: max or add): chunk r (lanes 4r .. 4r + 3) of the
+// result holds a[r]'s reduction in all four lanes. Each vector's reduction stays inside its own
+// lanes, in a fixed order (chunks 0+2 and 1+3, then the two halves, then lane pairs), so a row's
+// result does not depend on the other three vectors. 13 shuffles and ops for 4 rows, against 4
+// horizontal reductions of 8 each.
+template <typename Op>
+LLMSERVE_INLINE __m512 Reduce4(const __m512 (&a)[4], Op op) {
+  const __m512 x = op(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
+  const __m512 y = op(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+  const __m512 z = op(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  const __m512 w = op(z, _mm512_permute_ps(z, 0x4E));
+  return op(w, _mm512_permute_ps(w, 0xB1));
+}
+
 inline __m512 LoadVec(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 LoadVec(const uint16_t* p) {  // 16 bf16 -> float32
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -408,10 +422,38 @@ LLMSERVE_INLINE void PreparePairs(const uint16_t* kpage, int64_t nk, uint32_t* k
   }
 }
 
+#if defined(__AVX512BF16__)
+// The bf16-pairs path's V block of one page: vt2 [L/2, H] 32-bit pairs of keys (2i, 2i + 1)
+// (dims contiguous, in order), the layout vdpbf16ps wants to add two keys' p . V at once. A
+// missing odd key (a partial page) is zeros; pairs past the page's keys are not written.
+template <int HV>
+LLMSERVE_INLINE void PrepareVPairs(const uint16_t* vpage, int64_t nk, uint32_t* vt2) {
+  constexpr int64_t H = 16 * HV;
+  static_assert(HV % 2 == 0, "32 bf16 dims per vector load");
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38,
+                                               7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13,
+                                               45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
+                                               22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59,
+                                               28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  for (int64_t i = 0; 2 * i < nk; ++i) {
+    const uint16_t* a = vpage + 2 * i * H;
+    const bool has_b = 2 * i + 1 < nk;
+    for (int c = 0; c < HV / 2; ++c) {
+      const __m512i va = _mm512_loadu_si512(a + 32 * c);
+      const __m512i vb = has_b ? _mm512_loadu_si512(a + H + 32 * c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vt2 + (i * HV + 2 * c) * 16, _mm512_permutex2var_epi16(va, lo, vb));
+      _mm512_storeu_si512(vt2 + (i * HV + 2 * c + 1) * 16, _mm512_permutex2var_epi16(va, hi, vb));
+    }
+  }
+}
+#endif
+
 // Calls page(j, base, nk) for each page j of item (b, k) up to kv_end: base is the page's
 // offset in the pages, nk <= L its keys (j*L .. j*L + nk). Before each call it prefetches page
-// j + 1 (pages are scattered in memory) and, on the bf16-pairs path, builds the page's K block
-// kt2 (PreparePairs), once for every row group.
+// j + 1 (pages are scattered in memory) and, on the bf16-pairs path, builds the page's K and V
+// blocks kt2 and vt2 (PreparePairs, PrepareVPairs), once for every row group.
 template <typename QT, typename PT, int HV, typename F>
 LLMSERVE_INLINE void ForEachPage(const Dims& d, int64_t b, int64_t k, int64_t kv_end,
                                  const int32_t* tables, const PT* kp, const PT* vp,
@@ -437,7 +479,12 @@ LLMSERVE_INLINE void ForEachPage(const Dims& d, int64_t b, int64_t k, int64_t kv
         __builtin_prefetch(nv_ptr + off);
       }
     }
-    if constexpr (kPairs) PreparePairs<HV>(kp + base, nk, kt2);
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs) {  // both blocks in the one scratch: kt2 [H/2, L], then vt2 [L/2, H]
+      PreparePairs<HV>(kp + base, nk, kt2);
+      PrepareVPairs<HV>(vp + base, nk, kt2 + (H / 2) * L);
+    }
+#endif
     page(j, base, nk);
   }
 }
@@ -449,7 +496,7 @@ LLMSERVE_INLINE void ForEachPage(const Dims& d, int64_t b, int64_t k, int64_t kv
 template <typename QT, typename PT, int HV, int NR>
 LLMSERVE_INLINE void PageRows(const Dims& d, const float* q_scaled, const PT* kpage, const PT* vpage,
                      const uint32_t* kt2, int64_t nk, int64_t page_start, const int64_t* q_pos,
-                     int64_t len, __m512 (&acc)[NR][HV], float* m, float* den, float* pbuf) {
+                     int64_t len, __m512 (&acc)[NR][HV], __m512& m, __m512& den, float* pbuf) {
   constexpr int64_t H = 16 * HV, L = 16;
   [[maybe_unused]] constexpr bool kPairs = kBf16Dot && std::is_same<QT, uint16_t>::value &&
                           std::is_same<PT, uint16_t>::value;
@@ -487,31 +534,64 @@ LLMSERVE_INLINE void PageRows(const Dims& d, const float* q_scaled, const PT* kp
       s[r] = TreeSum16(a);
     }
   }
+  // The online-softmax update of all NR rows at once: chunk r (lanes 4r .. 4r + 3) of m, den
+  // and corr is row r's (rows NR .. 3 are empty: no key, never read).
   int64_t keys = 0;  // keys any of the rows sees in this page
-  for (int r = 0; r < NR; ++r) {
-    const int64_t last = std::min(q_pos[r], len - 1) - page_start;  // last visible key
-    const int64_t ns = std::max<int64_t>(0, std::min<int64_t>(nk, last + 1));
-    keys = std::max(keys, ns);
-    const __mmask16 mask = static_cast<__mmask16>((1u << ns) - 1u);
-    const __m512 sm = _mm512_mask_blend_ps(mask, _mm512_set1_ps(kMinusInf), s[r]);
-    const float m_new = std::max(m[r], _mm512_reduce_max_ps(sm));
-    const float corr = _mm_cvtss_f32(_mm512_castps512_ps128(
-        ExpNonPositive16(_mm512_set1_ps(m[r] - m_new))));
-    const __m512 p = _mm512_maskz_mov_ps(mask, ExpNonPositive16(
-        _mm512_sub_ps(sm, _mm512_set1_ps(m_new))));
-    den[r] = den[r] * corr + _mm512_reduce_add_ps(p);
-    m[r] = m_new;
-    const __m512 c = _mm512_set1_ps(corr);
-    for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_mul_ps(acc[r][v], c);
-    _mm512_storeu_ps(pbuf + r * L, p);
+  __mmask16 mask[4] = {0, 0, 0, 0};
+  __m512 sm[4];
+  for (int r = 0; r < 4; ++r) {
+    if (r < NR) {
+      const int64_t last = std::min(q_pos[r], len - 1) - page_start;  // last visible key
+      const int64_t ns = std::max<int64_t>(0, std::min<int64_t>(nk, last + 1));
+      keys = std::max(keys, ns);
+      mask[r] = static_cast<__mmask16>((1u << ns) - 1u);
+      sm[r] = _mm512_mask_blend_ps(mask[r], _mm512_set1_ps(kMinusInf), s[r]);
+    } else {
+      sm[r] = _mm512_set1_ps(kMinusInf);
+    }
   }
+  const __m512 m_old = m;
+  const __m512 m_new = _mm512_max_ps(m_old, Reduce4(sm, [](__m512 a, __m512 b) LLMSERVE_LAMBDA_INLINE {
+    return _mm512_max_ps(a, b); }));
+  const __m512 corr = ExpNonPositive16(_mm512_sub_ps(m_old, m_new));
+  __m512 p[4];
+  for (int r = 0; r < 4; ++r) {
+    p[r] = r < NR ? _mm512_maskz_mov_ps(mask[r], ExpNonPositive16(_mm512_sub_ps(
+                        sm[r], _mm512_permutexvar_ps(_mm512_set1_epi32(4 * r), m_new))))
+                  : _mm512_setzero_ps();
+  }
+  den = _mm512_fmadd_ps(den, corr, Reduce4(p, [](__m512 a, __m512 b) LLMSERVE_LAMBDA_INLINE {
+    return _mm512_add_ps(a, b); }));
+  m = m_new;
+  for (int r = 0; r < NR; ++r) {
+    const __m512 c = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * r), corr);
+    for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_mul_ps(acc[r][v], c);
+  }
+#if defined(__AVX512BF16__)
+  if constexpr (kPairs) {  // acc[r] += p[r] . V two keys per op: p rounded to bf16 pairs
+    const uint32_t* vt2 = kt2 + (H / 2) * L;  // PrepareVPairs
+    uint32_t* pp = reinterpret_cast<uint32_t*>(pbuf);
+    for (int r = 0; r < NR; ++r)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + r * L), (__m256i)_mm512_cvtneps_pbh(p[r]));
+    for (int64_t i = 0; 2 * i < keys; ++i) {
+      __m512i vv[HV];
+      for (int v = 0; v < HV; ++v) vv[v] = _mm512_loadu_si512(vt2 + (i * HV + v) * 16);
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * L + i]));
+        for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pr, (__m512bh)vv[v]);
+      }
+    }
+    return;
+  }
+#endif
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(pbuf + r * L, p[r]);
   for (int64_t i = 0; i < keys; ++i) {  // acc[r] += p[r][i] * V[i]
     const PT* vr = vpage + i * H;
     __m512 vv[HV];
     for (int v = 0; v < HV; ++v) vv[v] = LoadVec(vr + 16 * v);
     for (int r = 0; r < NR; ++r) {
-      const __m512 p = _mm512_set1_ps(pbuf[r * L + i]);
-      for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_fmadd_ps(p, vv[v], acc[r][v]);
+      const __m512 pv = _mm512_set1_ps(pbuf[r * L + i]);
+      for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_fmadd_ps(pv, vv[v], acc[r][v]);
     }
   }
 }
@@ -519,12 +599,15 @@ LLMSERVE_INLINE void PageRows(const Dims& d, const float* q_scaled, const PT* kp
 // Rows [r0, r0 + NR) of item (b, k): out = acc / den (zeros for a row that saw no key).
 template <typename QT, int HV, int NR>
 LLMSERVE_INLINE void StoreRows(const Dims& d, int64_t b, int64_t k, int64_t r0,
-                      const __m512 (&acc)[NR][HV], const float* den, QT* out) {
+                      const __m512 (&acc)[NR][HV], __m512 den_rows, QT* out) {
   constexpr int64_t H = 16 * HV;
   const int64_t g = d.groups;
+  alignas(64) float den[16];
+  _mm512_store_ps(den, den_rows);
   for (int r = 0; r < NR; ++r) {
     const int64_t row = r0 + r, t = row / g, gi = row % g;
-    const __m512 inv = _mm512_set1_ps(den[r] > 0.0f ? 1.0f / den[r] : 0.0f);  // no key -> zeros
+    const float dr = den[4 * r];
+    const __m512 inv = _mm512_set1_ps(dr > 0.0f ? 1.0f / dr : 0.0f);  // no key -> zeros
     alignas(64) float res[H];
     for (int v = 0; v < HV; ++v) _mm512_store_ps(res + 16 * v, _mm512_mul_ps(acc[r][v], inv));
     StoreRow(res, out + ((b * d.t + t) * d.n + k * g + gi) * H, H);
@@ -539,12 +622,10 @@ void RowsAvx512(const Dims& d, int64_t b, int64_t k, int64_t r0, const float* q_
                 int64_t kv_end, QT* out, float* kt, float* pbuf) {
   constexpr int64_t L = 16;
   __m512 acc[NR][HV];
-  float m[NR], den[NR];
+  __m512 m = _mm512_set1_ps(kMinusInf), den = _mm512_setzero_ps();  // chunk r: row r (PageRows)
   int64_t q_pos[NR];
   for (int r = 0; r < NR; ++r) {
     for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_setzero_ps();
-    m[r] = kMinusInf;
-    den[r] = 0.0f;
     q_pos[r] = qs + (r0 + r) / d.groups;
   }
   uint32_t* kt2 = reinterpret_cast<uint32_t*>(kt);
@@ -562,14 +643,17 @@ void RowsAvx512(const Dims& d, int64_t b, int64_t k, int64_t r0, const float* q_
 template <typename QT, typename PT, int HV, int NR>
 LLMSERVE_INLINE void GroupPage(const Dims& d, int64_t r0, const float* q_scaled, const PT* kpage,
                       const PT* vpage, const uint32_t* kt2, int64_t nk, int64_t page_start,
-                      const int64_t* q_pos, int64_t len, float* acc_mem, float* m, float* den,
-                      float* pbuf) {
+                      const int64_t* q_pos, int64_t len, float* acc_mem, float* m_mem,
+                      float* den_mem, float* pbuf) {
   constexpr int64_t H = 16 * HV;
   __m512 acc[NR][HV];
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_loadu_ps(acc_mem + (r0 + r) * H + 16 * v);
+  __m512 m = _mm512_loadu_ps(m_mem), den = _mm512_loadu_ps(den_mem);
   PageRows<QT, PT, HV, NR>(d, q_scaled, kpage, vpage, kt2, nk, page_start, q_pos + r0, len, acc,
-                           m + r0, den + r0, pbuf);
+                           m, den, pbuf);
+  _mm512_storeu_ps(m_mem, m);
+  _mm512_storeu_ps(den_mem, den);
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < HV; ++v) _mm512_storeu_ps(acc_mem + (r0 + r) * H + 16 * v, acc[r][v]);
 }
@@ -616,14 +700,13 @@ void ItemAvx512(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT
     return;
   }
   float* acc = s.acc.data();
-  float* m = s.mx.data();
+  float* m = s.mx.data();  // group r0 / kMaxRows: 16 floats at 16 * (r0 / kMaxRows), PageRows' layout
   float* den = s.den.data();
   std::vector<int64_t>& q_pos = s.pos;
-  for (int64_t r = 0; r < rows; ++r) {
-    m[r] = kMinusInf;
-    den[r] = 0.0f;
-    q_pos[r] = qs + r / g;
-  }
+  for (int64_t r = 0; r < rows; ++r) q_pos[r] = qs + r / g;
+  const int64_t num_groups = (rows + kMaxRows - 1) / kMaxRows;
+  std::fill(m, m + 16 * num_groups, kMinusInf);
+  std::fill(den, den + 16 * num_groups, 0.0f);
   std::fill(acc, acc + rows * H, 0.0f);
   uint32_t* kt2 = reinterpret_cast<uint32_t*>(kt);
   ForEachPage<QT, PT, HV>(d, b, k, kv_end, tables, kp, vp, kt2,
@@ -633,16 +716,17 @@ void ItemAvx512(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT
       if (std::min(q_pos[r0 + nr - 1], len - 1) < j * L) continue;  // sees none of this page
       const float* qr = &s.q[r0 * kRowFloats];
       switch (nr) {
-        case 1: GroupPage<QT, PT, HV, 1>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m, den, pb); break;
-        case 2: GroupPage<QT, PT, HV, 2>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m, den, pb); break;
-        case 3: if constexpr (kMaxRows >= 3) GroupPage<QT, PT, HV, 3>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m, den, pb); break;
-        default: if constexpr (kMaxRows >= 4) GroupPage<QT, PT, HV, 4>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m, den, pb); break;
+        case 1: GroupPage<QT, PT, HV, 1>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m + 16 * (r0 / kMaxRows), den + 16 * (r0 / kMaxRows), pb); break;
+        case 2: GroupPage<QT, PT, HV, 2>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m + 16 * (r0 / kMaxRows), den + 16 * (r0 / kMaxRows), pb); break;
+        case 3: if constexpr (kMaxRows >= 3) GroupPage<QT, PT, HV, 3>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m + 16 * (r0 / kMaxRows), den + 16 * (r0 / kMaxRows), pb); break;
+        default: if constexpr (kMaxRows >= 4) GroupPage<QT, PT, HV, 4>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m + 16 * (r0 / kMaxRows), den + 16 * (r0 / kMaxRows), pb); break;
       }
     }
   });
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = r / g, gi = r % g;
-    const __m512 inv = _mm512_set1_ps(den[r] > 0.0f ? 1.0f / den[r] : 0.0f);  // no key -> zeros
+    const float dr = den[16 * (r / kMaxRows) + 4 * (r % kMaxRows)];
+    const __m512 inv = _mm512_set1_ps(dr > 0.0f ? 1.0f / dr : 0.0f);  // no key -> zeros
     alignas(64) float res[H];
     for (int v = 0; v < HV; ++v)
       _mm512_store_ps(res + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(acc + r * H + 16 * v), inv));
