@@ -170,11 +170,16 @@ def top_k(x: Array, k: int) -> tuple[Array, Array]:
 def logsumexp(x: Array, fixed_order: bool = False) -> Array:
     """Row log-sum-exp [B, V] -> [B] for finite rows (raw model logits); cheaper than jax.nn's.
 
-    ``fixed_order`` (the batch-invariant mode): on CPU, the native kernel that reduces every row
-    in the same order whatever program it sits in (XLA:CPU's exp and sum differ by an ulp between
-    fusions, e.g. a decode step's and a verify step's); elsewhere the plain path.
+    On CPU, always the native kernel (``cpu_kernels.row_logsumexp_cpu``): every row reduced in
+    the same order whatever program it sits in (XLA:CPU's exp and sum differ by an ulp between
+    fusions, e.g. a decode step's and a verify step's), over both cores, and faster than
+    XLA:CPU's fusion (rows of 49,152 logits jitted alone: 0.44 vs 1.03 ms at 32 rows, 4.0 vs
+    38.6 ms at 256, ``/tmp`` script, 2026-12-06). ``fixed_order`` (the
+    batch-invariant mode's request for that order) is met on CPU either way; other platforms
+    take the plain path, as before.
     """
-    if fixed_order and jax.default_backend() == "cpu":
+    del fixed_order
+    if x.ndim == 2 and x.shape[-1] and jax.default_backend() == "cpu":
         from llmserve.ops import cpu_kernels
 
         if cpu_kernels.available():

@@ -392,6 +392,31 @@ def test_fixed_order_logsumexp_matches_jax_and_is_row_invariant():
     assert alone[0] == got[7] == np.asarray(fused)[7]
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="native CPU kernel")
+def test_logsumexp_default_path_is_the_native_kernel_with_edge_rows():
+    """On CPU every log-sum-exp (the emitted tokens' logprobs, not only the batch-invariant
+    mode's) is the native kernel's, spread over threads: bitwise the fixed-order values, equal
+    to jax.nn.logsumexp to 1e-6 relative on a vocabulary that is not a multiple of 16, and a
+    NaN row gives NaN, a +inf entry +inf, an all -inf row -inf."""
+    from llmserve.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((40, 1003)).astype(np.float32) * 8
+    x[1, 500] = np.nan
+    x[2, 7] = np.inf
+    x[3] = -np.inf
+    x = jnp.asarray(x)
+    plain = np.asarray(jax.jit(sampling.logsumexp)(x))
+    fixed = np.asarray(jax.jit(lambda a: sampling.logsumexp(a, fixed_order=True))(x))
+    np.testing.assert_array_equal(plain, fixed)
+    assert np.isnan(plain[1]) and plain[2] == np.inf and plain[3] == -np.inf
+    want = np.asarray(jax.nn.logsumexp(x, axis=-1))
+    np.testing.assert_allclose(plain[4:], want[4:], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(jax.jit(sampling.logsumexp)(x[17:18]))[0], plain[17])
+
+
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_finite"])
 @pytest.mark.parametrize("shape", [(10, 49152), (2, 5, 49152), (3, 4096), (2, 1000)])
 def test_top_k_equals_lax_top_k(kind, shape):

@@ -1408,27 +1408,63 @@ ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 // Row log-sum-exp. XLA:CPU compiles exp and the sum over the vocabulary differently in different
 // fusions (vectorized or not, depending on the surrounding program's shapes), so the same logits
 // row gets log-sum-exps one ulp apart in a decode step and in a verify step. Here every row is
-// reduced by the same code in the same order, whatever the batch.
-ffi::Error RowLogsumexpImpl(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+// reduced by the same code in the same order, whatever the batch or the thread: two passes (the
+// maximum, then exp(x - max) summed in float64 lanes), rows spread over the thread pool. It is
+// also the fast path for every emitted token's logprob: 256 rows of 49,152 logits (a 256-row
+// decode step) 4.0 ms against XLA:CPU's fusion's 38.6, 32 rows 0.44 against 1.03.
+float RowLse(const float* row, int64_t v) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  const __m512 neg_inf = _mm512_set1_ps(-kInf);
+  __m512 mx = neg_inf;
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < v; i += 16) {
+    const int64_t n = std::min<int64_t>(16, v - i);
+    const __mmask16 live = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1u);
+    const __m512 x = _mm512_mask_loadu_ps(neg_inf, live, row + i);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    mx = _mm512_max_ps(mx, x);
+  }
+  const float top = _mm512_reduce_max_ps(mx);
+  if (nan) return std::numeric_limits<float>::quiet_NaN();
+  if (!std::isfinite(top)) return top;  // all -inf: log(0); a +inf entry: +inf
+  const __m512 t = _mm512_set1_ps(top);
+  __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+  for (int64_t i = 0; i < v; i += 16) {
+    const int64_t n = std::min<int64_t>(16, v - i);
+    const __mmask16 live = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1u);
+    const __m512 e = ExpNonPositive16(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_inf, live, row + i), t));
+    s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+    s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+                               _mm512_castps_pd(e), 1))));
+  }
+  const double sum = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+  return top + static_cast<float>(std::log(sum));
+#else
+  float top = -kInf;
+  for (int64_t i = 0; i < v; ++i) {
+    if (std::isnan(row[i])) return std::numeric_limits<float>::quiet_NaN();
+    top = std::max(top, row[i]);
+  }
+  if (!std::isfinite(top)) return top;
+  double sum = 0.0;  // float64: a float32 running sum over ~50k terms drifts by ~1e-5
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < v; ++i) sum += static_cast<double>(ExpNonPositive(row[i] - top));
+  return top + static_cast<float>(std::log(sum));
+#endif
+}
+
+ffi::Error RowLogsumexpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Result<ffi::Buffer<ffi::F32>> out) {
   const auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("want logits [B, V]");
   const int64_t rows = dims[0], v = dims[1];
+  if (v == 0) return ffi::Error::InvalidArgument("log-sum-exp over an empty row");
   const float* data = x.typed_data();
   float* res = out->typed_data();
-  for (int64_t b = 0; b < rows; ++b) {
-    const float* row = data + b * v;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < v; ++i) top = std::max(top, row[i]);
-    if (!std::isfinite(top)) {  // an all -inf row: log(0); a +inf or NaN row propagates
-      res[b] = top == -std::numeric_limits<float>::infinity() ? top
-                                                              : top + (row[0] - row[0]);
-      continue;
-    }
-    double sum = 0.0;  // float64: a float32 running sum over ~50k terms drifts by ~1e-5
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < v; ++i) sum += static_cast<double>(ExpNonPositive(row[i] - top));
-    res[b] = top + static_cast<float>(std::log(sum));
-  }
+  // A helper thread pays for waking it from about 0.5 MB of logits (~3 rows of 49,152).
+  const int64_t min_rows = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, v));
+  ParallelFor(pool, rows, min_rows, [=](int64_t b) { res[b] = RowLse(data + b * v, v); });
   return ffi::Error::Success();
 }
 
@@ -1500,6 +1536,7 @@ ffi::Error RowArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmserveRowLogsumexp, RowLogsumexpImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [B, V]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [B]
 
