@@ -1412,6 +1412,15 @@ ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 // maximum, then exp(x - max) summed in float64 lanes), rows spread over the thread pool. It is
 // also the fast path for every emitted token's logprob: 256 rows of 49,152 logits (a 256-row
 // decode step) 4.0 ms against XLA:CPU's fusion's 38.6, 32 rows 0.44 against 1.03.
+#if defined(__AVX512F__)
+// Logits row[i .. i + 16), lanes past the row's end v filled with fill.
+inline __m512 LoadLogits16(const float* row, int64_t i, int64_t v, __m512 fill) {
+  const int64_t n = std::min<int64_t>(16, v - i);
+  const __mmask16 live = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1u);
+  return _mm512_mask_loadu_ps(fill, live, row + i);
+}
+#endif
+
 float RowLse(const float* row, int64_t v) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
@@ -1419,9 +1428,7 @@ float RowLse(const float* row, int64_t v) {
   __m512 mx = neg_inf;
   __mmask16 nan = 0;
   for (int64_t i = 0; i < v; i += 16) {
-    const int64_t n = std::min<int64_t>(16, v - i);
-    const __mmask16 live = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1u);
-    const __m512 x = _mm512_mask_loadu_ps(neg_inf, live, row + i);
+    const __m512 x = LoadLogits16(row, i, v, neg_inf);
     nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     mx = _mm512_max_ps(mx, x);
   }
@@ -1431,9 +1438,7 @@ float RowLse(const float* row, int64_t v) {
   const __m512 t = _mm512_set1_ps(top);
   __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
   for (int64_t i = 0; i < v; i += 16) {
-    const int64_t n = std::min<int64_t>(16, v - i);
-    const __mmask16 live = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1u);
-    const __m512 e = ExpNonPositive16(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_inf, live, row + i), t));
+    const __m512 e = ExpNonPositive16(_mm512_sub_ps(LoadLogits16(row, i, v, neg_inf), t));
     s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
     s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
                                _mm512_castps_pd(e), 1))));
@@ -1489,9 +1494,7 @@ int32_t RowArgmax(const float* row, int64_t v) {
   const __m512i step = _mm512_set1_epi32(16);
   __mmask16 nan = 0;
   for (int64_t i = 0; i < v; i += 16) {
-    const int64_t n = std::min<int64_t>(16, v - i);
-    const __mmask16 live = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1u);
-    const __m512 x = _mm512_mask_loadu_ps(neg_inf, live, row + i);
+    const __m512 x = LoadLogits16(row, i, v, neg_inf);
     nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     const __mmask16 gt = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ);  // strict: first one stays
     best = _mm512_mask_blend_ps(gt, best, x);
