@@ -31,6 +31,10 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
     c.memory_tokens = "1024,4096" if smoke else "1024,4096,16384"
     c.cpu_prefill_tokens = "8,128" if smoke else "1,8,128,512"
     c.cpu_decode = "4x256" if smoke else "8x1024,32x1024"  # batch x context
+    # The native kernel on bf16 query blocks, batch x query tokens x context: decode, verify
+    # (1 + R = 5 tokens), 8-token prefill blocks, a 128-token block.
+    c.cpu_native_blocks = ("1x5x100" if smoke else
+                           "1x1x600,1x5x600,2x5x600,16x1x150,64x8x100,1x128x400")
     c.prefill_tokens = "1024,4096" if smoke else "1024,2048,4096,8192,16384"  # GPU
     c.decode_batch = "8,32" if smoke else "8,16,32,64"  # GPU
     c.decode_context = "1024,4096" if smoke else "1024,2048,4096,8192"  # GPU

@@ -34,6 +34,7 @@ GPU:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -145,8 +146,29 @@ def cpu_times() -> list[dict]:
         for backend, fn in decode.items():
             ms = time_ms(jax.jit(fn), *args, iters=cfg.iters)
             rows.append(dict(kind="decode", backend=backend, batch=b, context=ctx, ms=ms))
+    if cpa.available():
+        rows += native_blocks(cfg)
     for r in rows:
         print(r)
+    return rows
+
+
+def native_blocks(cfg) -> list[dict]:
+    """The native kernel on bf16 query blocks (``cpu_native_blocks``, B x T x context): T query
+    tokens a sequence after `context` cached ones, as a decode (T = 1), verify (1 + R) or
+    prefill block; one call (one layer), fastest of ``iters``."""
+    n, kh, h = heads()
+    rows = []
+    for spec in cfg.cpu_native_blocks.split(","):
+        b, t, ctx = (int(x) for x in spec.split("x"))
+        q, k_pages, v_pages, tables, _, _ = paged_inputs(b, ctx + t, jnp.bfloat16, cfg.page_size)
+        q = random((b, t, n, h), jnp.bfloat16, 3)
+        bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint16)
+        args = (q, bits(k_pages), bits(v_pages), tables, jnp.full((b,), ctx, jnp.int32),
+                jnp.full((b,), ctx + t, jnp.int32))
+        ms = min_ms(jax.jit(cpa.paged_attention_cpu), *args, iters=cfg.iters * 5)
+        rows.append(dict(kind="native_block", backend="cpu", dtype="bfloat16", batch=b,
+                         query_tokens=t, context=ctx, ms=ms))
     return rows
 
 
@@ -386,7 +408,24 @@ def tables(results: dict, cfg) -> tuple[list[str], str]:
         [[r["tokens"], f"{r['naive_temp_bytes'] / 2**20:.1f}", f"{r['xla_temp_bytes'] / 2**20:.1f}",
           f"{r['ratio']:.1f}x"] for r in results["memory"]])
     if results["platform"] != "gpu":
-        return ["CPU: flash attention measured as memory (compiled temp bytes), not speed"], table
+        notes = ["CPU: flash attention measured as memory (compiled temp bytes), not speed"]
+        blocks = [r for r in results.get("cpu_times", []) if r["kind"] == "native_block"]
+        if blocks:
+            n, kh, _ = heads()
+            page = cfg.page_size
+
+            def per_row_page(r):  # ns per (query row, page it reads)
+                pages = math.ceil((r["context"] + r["query_tokens"]) / page)
+                return 1e6 * r["ms"] / (r["batch"] * n * r["query_tokens"] * pages)
+
+            table += "\n\n" + common.markdown_table(
+                ["native kernel, bf16: B x query tokens x context", "ms (one layer)",
+                 "ns per query row per page"],
+                [[f"{r['batch']} x {r['query_tokens']} x {r['context']}", f"{r['ms']:.3f}",
+                  f"{per_row_page(r):.0f}"] for r in blocks])
+            notes.append("native_block: the native paged kernel on bf16 query blocks, one call "
+                         "(one layer) over both cores, fastest of the calls")
+        return notes, table
     rows = []
     for kind in ("prefill", "decode"):
         for r in results.get(kind, []):
