@@ -167,18 +167,16 @@ def top_k(x: Array, k: int) -> tuple[Array, Array]:
     return vals, ids.astype(jnp.int32)
 
 
-def logsumexp(x: Array, fixed_order: bool = False) -> Array:
+def logsumexp(x: Array) -> Array:
     """Row log-sum-exp [B, V] -> [B] for finite rows (raw model logits); cheaper than jax.nn's.
 
     On CPU, always the native kernel (``cpu_kernels.row_logsumexp_cpu``): every row reduced in
     the same order whatever program it sits in (XLA:CPU's exp and sum differ by an ulp between
     fusions, e.g. a decode step's and a verify step's), over both cores, and faster than
     XLA:CPU's fusion (rows of 49,152 logits jitted alone: 0.44 vs 1.03 ms at 32 rows, 4.0 vs
-    38.6 ms at 256, ``/tmp`` script, 2026-12-06). ``fixed_order`` (the
-    batch-invariant mode's request for that order) is met on CPU either way; other platforms
-    take the plain path, as before.
+    38.6 ms at 256, ``/tmp`` script, 2026-12-06), so the batch-invariant mode needs no path
+    of its own. Other platforms take the plain path.
     """
-    del fixed_order
     if x.ndim == 2 and x.shape[-1] and jax.default_backend() == "cpu":
         from llmserve.ops import cpu_kernels
 
@@ -388,7 +386,6 @@ def sample(
     prompt_mask: Array | None = None,
     *,
     num_logprobs: int = 0,
-    fixed_order: bool = False,
     history: tuple[Array, Array, Array] | None = None,
     want_top: Array | None = None,
 ) -> SampleOutput:
@@ -399,8 +396,8 @@ def sample(
     softmax(process_logits(...)) by inverse CDF on one uniform from
     `request_keys(arrays.seed, positions)`.
     Logprobs are of the RAW model distribution (vLLM's default), and `top_ids`/`top_logprobs`
-    hold the num_logprobs (static) best raw tokens, shape [B, 0] when 0. ``fixed_order``: the
-    logprobs' log-sum-exp in a fixed reduction order (``logsumexp``; batch-invariant mode).
+    hold the num_logprobs (static) best raw tokens, shape [B, 0] when 0 (their log-sum-exp:
+    ``logsumexp``, in one fixed order on CPU).
     ``history`` = (counts table, prompt-mask table, rows [B]) instead of ``output_counts`` and
     ``prompt_mask``: the penalty rows are gathered only when some row has a penalty.
     ``want_top`` [B] bool: the top-n search runs only when some row asks for it (zeros else).
@@ -420,7 +417,7 @@ def sample(
 
     tokens = _penalized_then(pick, logits, arrays, output_counts, prompt_mask, history)
 
-    lse = logsumexp(logits, fixed_order)  # [B]
+    lse = logsumexp(logits)  # [B]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs > 0:
         def top(x):

@@ -117,7 +117,7 @@ def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, ba
     return logits[0, :r], cache
 
 
-def _top_logprobs(logits: Array, num_logprobs: int, fixed_order: bool = False,
+def _top_logprobs(logits: Array, num_logprobs: int,
                   want: Optional[Array] = None) -> tuple[Array, Array]:
     """The ``num_logprobs`` most likely raw tokens of logits [..., V] and their logprobs
     (zeros, without the search, when no row of ``want`` asks for them)."""
@@ -127,7 +127,7 @@ def _top_logprobs(logits: Array, num_logprobs: int, fixed_order: bool = False,
 
     def top(x):
         vals, ids = sampling.top_k(x, num_logprobs)
-        lse = sampling.logsumexp(x.reshape(-1, x.shape[-1]), fixed_order)
+        lse = sampling.logsumexp(x.reshape(-1, x.shape[-1]))
         return ids.astype(jnp.int32), vals - lse.reshape(x.shape[:-1])[..., None]
 
     if want is None:
@@ -159,7 +159,6 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
     before it, which may accept any number of drafts, still runs (async scheduling).
     """
     hidden = None
-    fixed_order = min_rows > 1  # the batch-invariant mode: logprobs in a fixed order too
     if eagle is not None and inp.verify:
         drafts = eagle.drafts[inp.slot_ids[: inp.parts[0].block_tables.shape[0]]]
     # Async scheduling: a row built before its previous token reached the host takes that
@@ -176,7 +175,7 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         # The penalty rows are read only when a row has a penalty (inside sample's cond), and
         # the emitted tokens are counted in place: no [R, V] gather and write-back per step.
         out = sampling.sample(logits, inp.sampling, inp.sample_pos, num_logprobs=num_logprobs,
-                              fixed_order=fixed_order, want_top=inp.want_top,
+                              want_top=inp.want_top,
                               history=(sstate.counts, sstate.prompt_mask, inp.slot_ids))
         sstate = sstate.replace(counts=sstate.counts.at[inp.slot_ids, out.tokens].add(
             inp.emit.astype(jnp.int32)))
@@ -207,9 +206,8 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         vlogits = suppress(logits[: bv * w].reshape(bv, w, v), head(rows))  # [Bv, 1 + D, V]
         ver = verify(inp.tokens[: bv * w].reshape(bv, w)[:, 1:], draft_probs, vlogits,
                      head(inp.sampling), part.q_start + 1, counts[:bv], pmask[:bv],
-                     num_draft=inp.num_draft[:bv], fixed_order=fixed_order)
-        top_ids, top_lp = _top_logprobs(vlogits, num_logprobs, fixed_order,
-                                        inp.want_top[:bv])  # [Bv, 1 + D, n]
+                     num_draft=inp.num_draft[:bv])
+        top_ids, top_lp = _top_logprobs(vlogits, num_logprobs, inp.want_top[:bv])  # [Bv, 1 + D, n]
         emitted = (ver.out_tokens >= 0) & inp.emit[:bv, None]
         vcounts = counts[:bv].at[jnp.arange(bv)[:, None], jnp.maximum(ver.out_tokens, 0)].add(
             emitted.astype(jnp.int32))
@@ -223,7 +221,7 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
             rlogits = suppress(logits[bv * w:][:, None], tail(rows))[:, 0]  # [R - Bv, V]
             out = sampling.sample(rlogits, tail(inp.sampling), inp.sample_pos[bv:],
                                   counts[bv:], pmask[bv:], num_logprobs=num_logprobs,
-                                  fixed_order=fixed_order, want_top=inp.want_top[bv:])
+                                  want_top=inp.want_top[bv:])
             rcounts = sampling.update_counts(counts[bv:], out.tokens, inp.emit[bv:])
             new_counts = jnp.concatenate([vcounts, rcounts])
             pad = lambda x, fill: jnp.pad(  # noqa: E731

@@ -156,7 +156,6 @@ def verify(
     prompt_mask: Optional[Array] = None,
     *,
     num_draft: Optional[Array] = None,
-    fixed_order: bool = False,
 ) -> VerifyOutput:
     """Accepts a prefix of the draft tokens and appends one target token (lossless).
 
@@ -217,7 +216,7 @@ def verify(
     na = num_accepted[:, None]
     padded = jnp.pad(drafts, ((0, 0), (0, 1)))
     out = jnp.where(cols < na, padded, jnp.where(cols == na, final[:, None], PAD_TOKEN))
-    lse = sampling.logsumexp(raw.reshape(b * (k + 1), v), fixed_order).reshape(b, k + 1)
+    lse = sampling.logsumexp(raw.reshape(b * (k + 1), v)).reshape(b, k + 1)
     chosen = jnp.take_along_axis(raw, jnp.maximum(out, 0)[..., None], axis=-1)[..., 0]
     logprobs = jnp.where(cols <= na, chosen - lse, 0.0)
     return VerifyOutput(num_accepted=num_accepted.astype(jnp.int32),

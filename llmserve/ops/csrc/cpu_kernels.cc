@@ -391,6 +391,9 @@ LLMSERVE_INLINE __m512 Reduce4(const __m512 (&a)[4], Op op) {
   return op(w, _mm512_permute_ps(w, 0xB1));
 }
 
+// Row r's value of a Reduce4-layout vector (chunk r) in all 16 lanes.
+inline __m512 RowLanes(__m512 v, int r) { return _mm512_permutexvar_ps(_mm512_set1_epi32(4 * r), v); }
+
 inline __m512 LoadVec(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 LoadVec(const uint16_t* p) {  // 16 bf16 -> float32
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -557,14 +560,14 @@ LLMSERVE_INLINE void PageRows(const Dims& d, const float* q_scaled, const PT* kp
   __m512 p[4];
   for (int r = 0; r < 4; ++r) {
     p[r] = r < NR ? _mm512_maskz_mov_ps(mask[r], ExpNonPositive16(_mm512_sub_ps(
-                        sm[r], _mm512_permutexvar_ps(_mm512_set1_epi32(4 * r), m_new))))
+                        sm[r], RowLanes(m_new, r))))
                   : _mm512_setzero_ps();
   }
   den = _mm512_fmadd_ps(den, corr, Reduce4(p, [](__m512 a, __m512 b) LLMSERVE_LAMBDA_INLINE {
     return _mm512_add_ps(a, b); }));
   m = m_new;
   for (int r = 0; r < NR; ++r) {
-    const __m512 c = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * r), corr);
+    const __m512 c = RowLanes(corr, r);
     for (int v = 0; v < HV; ++v) acc[r][v] = _mm512_mul_ps(acc[r][v], c);
   }
 #if defined(__AVX512BF16__)
@@ -715,11 +718,13 @@ void ItemAvx512(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT
       const int64_t nr = std::min<int64_t>(kMaxRows, rows - r0);
       if (std::min(q_pos[r0 + nr - 1], len - 1) < j * L) continue;  // sees none of this page
       const float* qr = &s.q[r0 * kRowFloats];
+      float* gm = m + 16 * (r0 / kMaxRows);  // the group's running max and denominator
+      float* gd = den + 16 * (r0 / kMaxRows);
       switch (nr) {
-        case 1: GroupPage<QT, PT, HV, 1>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m + 16 * (r0 / kMaxRows), den + 16 * (r0 / kMaxRows), pb); break;
-        case 2: GroupPage<QT, PT, HV, 2>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m + 16 * (r0 / kMaxRows), den + 16 * (r0 / kMaxRows), pb); break;
-        case 3: if constexpr (kMaxRows >= 3) GroupPage<QT, PT, HV, 3>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m + 16 * (r0 / kMaxRows), den + 16 * (r0 / kMaxRows), pb); break;
-        default: if constexpr (kMaxRows >= 4) GroupPage<QT, PT, HV, 4>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, m + 16 * (r0 / kMaxRows), den + 16 * (r0 / kMaxRows), pb); break;
+        case 1: GroupPage<QT, PT, HV, 1>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, gm, gd, pb); break;
+        case 2: GroupPage<QT, PT, HV, 2>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, gm, gd, pb); break;
+        case 3: if constexpr (kMaxRows >= 3) GroupPage<QT, PT, HV, 3>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, gm, gd, pb); break;
+        default: if constexpr (kMaxRows >= 4) GroupPage<QT, PT, HV, 4>(d, r0, qr, kp + base, vp + base, kt2, nk, j * L, q_pos.data(), len, acc, gm, gd, pb); break;
       }
     }
   });
