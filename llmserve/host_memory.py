@@ -37,14 +37,14 @@ import sys
 
 _LOG = logging.getLogger(__name__)
 
-# mallopt parameter numbers from glibc's <malloc.h>.
-M_TRIM_THRESHOLD = -1
-M_MMAP_MAX = -4
-M_ARENA_MAX = -8
+OPT_IN = "LLMSERVE_MALLOC_TUNING"  # "1" applies the settings at import
 
-SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1))
-ENV_HINT = "MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647"
-OPT_IN = "LLMSERVE_MALLOC_TUNING"
+# (mallopt parameter number from glibc's <malloc.h>, value, the environment variable glibc reads
+# for the same setting at process start).
+SETTINGS = ((-8, 1, "MALLOC_ARENA_MAX"),  # M_ARENA_MAX: one arena
+            (-4, 0, "MALLOC_MMAP_MAX_"),  # M_MMAP_MAX: never mmap a chunk
+            (-1, 2**31 - 1, "MALLOC_TRIM_THRESHOLD_"))  # M_TRIM_THRESHOLD: never trim
+ENV_HINT = " ".join(f"{env}={value}" for _, value, env in SETTINGS)
 
 # What configure() decided, for logs and tests: "applied", "disabled" (not asked for),
 # "unsupported", "too_late" (the backend already existed), "environment" (too late, but the
@@ -53,47 +53,44 @@ status: str | None = None
 
 
 def _jax_backend_started() -> bool:
-  """True when a JAX backend (and so XLA's worker threads) already exists in this process."""
-  bridge = sys.modules.get("jax._src.xla_bridge")
-  return bool(getattr(bridge, "_backends", None))
+    """True when a JAX backend (and so XLA's worker threads) already exists in this process."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(getattr(bridge, "_backends", None))
 
 
 def _glibc():
-  if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
-    return None
-  try:
-    libc = ctypes.CDLL("libc.so.6")
-    return libc if hasattr(libc, "mallopt") else None
-  except OSError:
-    return None
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def _decide() -> str:
+    if os.environ.get(OPT_IN, "0") != "1":
+        return "disabled"
+    libc = _glibc()
+    if libc is None:
+        return "unsupported"
+    if _jax_backend_started():
+        if all(os.environ.get(env) for _, _, env in SETTINGS[:2]):
+            return "environment"
+        _LOG.warning(
+            "llmserve was imported after JAX started its backend, so glibc's allocator keeps "
+            "mmapping XLA:CPU's large per-step buffers (page faults every step). Set %s in the "
+            "environment at process start, or import llmserve before running any JAX "
+            "computation.", ENV_HINT)
+        return "too_late"
+    ok = all(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1
+             for param, value, _ in SETTINGS)
+    _LOG.info("glibc malloc: one arena, no mmap for large chunks, no heap trimming (%s=1)", OPT_IN)
+    return "applied" if ok else "unsupported"
 
 
 def configure() -> str:
-  """Apply the allocator settings once per process; returns what happened (see ``status``)."""
-  global status
-  if status is not None:
+    """Apply the allocator settings once per process; returns what happened (see ``status``)."""
+    global status
+    if status is None:
+        status = _decide()
     return status
-  if os.environ.get(OPT_IN, "0").strip().lower() not in ("1", "true", "yes", "on"):
-    status = "disabled"
-    return status
-  libc = _glibc()
-  if libc is None:
-    status = "unsupported"
-    return status
-  if _jax_backend_started():
-    if all(os.environ.get(name) for name in ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_")):
-      status = "environment"
-      return status
-    status = "too_late"
-    _LOG.warning(
-        "llmserve was imported after JAX started its backend, so glibc's allocator keeps "
-        "mmapping XLA:CPU's large per-step buffers (page faults every step). Set %s in the "
-        "environment at process start, or import llmserve before running any JAX computation.",
-        ENV_HINT)
-    return status
-  ok = all(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1
-           for param, value in SETTINGS)
-  status = "applied" if ok else "unsupported"
-  _LOG.info("glibc malloc: one arena, no mmap for large chunks, no heap trimming (%s=1: %s)",
-            OPT_IN, status)
-  return status
