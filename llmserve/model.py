@@ -74,12 +74,10 @@ def rope_tables(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
     return jax.lax.cond(positions.reshape(-1)[0] >= 0, tables, tables, positions)
 
 
-def apply_rope(x: Array, positions: Array | None, inv_freq: np.ndarray | None,
-               tables: tuple[Array, Array] | None = None) -> Array:
-    """Rotates x [B, T, heads, H] by positions [B, T] (the "rotate half" convention of HF), or
-    by precomputed ``tables`` (``rope_tables``: cos, sin [B, T, H/2])."""
-    cos, sin = rope_tables(positions, inv_freq) if tables is None else tables
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, H/2]
+def apply_rope(x: Array, tables: tuple[Array, Array]) -> Array:
+    """Rotates x [B, T, heads, H] by ``rope_tables`` (cos, sin [B, T, H/2]) (the "rotate
+    half" convention of HF)."""
+    cos, sin = tables[0][:, :, None, :], tables[1][:, :, None, :]  # [B, T, 1, H/2]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -207,8 +205,8 @@ class Attention(nn.Module):
         if rope is None:
             rope = rope_tables(meta.positions, rope_frequencies(cfg))
         # RoPE in f32; attention then reads q and the cache in the storage dtype (f32 dots).
-        q = apply_rope(q, None, None, rope).astype(cfg.jnp_dtype)
-        kk = apply_rope(kk, None, None, rope)
+        q = apply_rope(q, rope).astype(cfg.jnp_dtype)
+        kk = apply_rope(kk, rope)
         out, cache = cache.update_and_attend(self.layer, q, kk, vv, meta, backend)  # [B,T,N,H]
         out = _dense(cfg.d_model, "o_proj", cfg, native=native)(out.reshape(b, t, n * h))
         return out, cache

@@ -959,11 +959,14 @@ inline void GemmKNColumns(const uint16_t* x, int64_t m_dim, int64_t k_dim, const
 }
 
 
+constexpr int64_t kNKBlock = 64;  // vocabulary rows per work item of the [N, K] matmul
+
 // Four vocabulary rows (n0..n0 + 4) x MR <= 6 x rows: 4 MR accumulators of 32-dim products.
-// Row m's four logits go to out + m * ldo (out: the tile's first row and column).
+// Row m's four logits go to out + m * kNKBlock (out: the tile's place in its row tile's
+// [MR, kNKBlock] scratch, GemmNKRowTile).
 template <int MR>
 inline void GemmNKTile(const uint16_t* x, int64_t k_dim, int64_t m0, const uint16_t* w,
-                       int64_t n, int64_t n0, float* out, int64_t ldo) {
+                       int64_t n, int64_t n0, float* out) {
   static_assert(MR >= 1 && MR <= 6, "at most 24 accumulators");
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
@@ -994,7 +997,7 @@ inline void GemmNKTile(const uint16_t* x, int64_t k_dim, int64_t m0, const uint1
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, sums);
     for (int m = 0; m < 4 && g + m < MR; ++m)
-      std::memcpy(out + (g + m) * ldo, lanes + 4 * m, 16);
+      std::memcpy(out + (g + m) * kNKBlock, lanes + 4 * m, 16);
   }
 }
 
@@ -1006,7 +1009,6 @@ inline void GemmNKTile(const uint16_t* x, int64_t k_dim, int64_t m0, const uint1
 // 256 rows 68.2-68.5 -> 65.4-65.6 ms, 32 rows 6.6-6.7 -> 6.2-6.5, 10 rows 3.3-3.8 -> 3.2-3.4,
 // 1-5 rows unchanged. Streaming (non-temporal) row stores were no faster. The rest of the gap
 // to V = 6,144 (318 GFLOP/s at 256 rows against ~220 here) is not yet explained.
-constexpr int64_t kNKBlock = 64;  // vocabulary rows per work item of the [N, K] matmul
 
 inline void GemmNKRowTile(const uint16_t* x, int64_t mr, int64_t k_dim, int64_t m0,
                           const uint16_t* w, int64_t n, int64_t n0, int64_t n1, float* out) {
@@ -1014,12 +1016,12 @@ inline void GemmNKRowTile(const uint16_t* x, int64_t mr, int64_t k_dim, int64_t 
   for (int64_t j = n0; j < n1; j += 4) {
     float* t = tile + (j - n0);
     switch (mr) {
-      case 1: GemmNKTile<1>(x, k_dim, m0, w, n, j, t, kNKBlock); break;
-      case 2: GemmNKTile<2>(x, k_dim, m0, w, n, j, t, kNKBlock); break;
-      case 3: GemmNKTile<3>(x, k_dim, m0, w, n, j, t, kNKBlock); break;
-      case 4: GemmNKTile<4>(x, k_dim, m0, w, n, j, t, kNKBlock); break;
-      case 5: GemmNKTile<5>(x, k_dim, m0, w, n, j, t, kNKBlock); break;
-      default: GemmNKTile<6>(x, k_dim, m0, w, n, j, t, kNKBlock); break;
+      case 1: GemmNKTile<1>(x, k_dim, m0, w, n, j, t); break;
+      case 2: GemmNKTile<2>(x, k_dim, m0, w, n, j, t); break;
+      case 3: GemmNKTile<3>(x, k_dim, m0, w, n, j, t); break;
+      case 4: GemmNKTile<4>(x, k_dim, m0, w, n, j, t); break;
+      case 5: GemmNKTile<5>(x, k_dim, m0, w, n, j, t); break;
+      default: GemmNKTile<6>(x, k_dim, m0, w, n, j, t); break;
     }
   }
   for (int64_t m = 0; m < mr; ++m)
