@@ -310,6 +310,20 @@ def loss_curve(directory: str, history: Sequence[dict], title: str) -> str:
                      "step", "loss", title)
 
 
+def prefill_buckets(spec: str, key: str = "prefill_buckets") -> dict:
+    """A config's bucket string as EngineConfig keywords: ``"4x8,8x8"`` -> {"prefill_buckets":
+    ((4, 8), (8, 8))}; "" -> {} (the engine's default). ``key`` names the field in the error."""
+    if not spec:
+        return {}
+    try:
+        buckets = tuple(tuple(int(v) for v in b.split("x")) for b in spec.split(","))
+    except ValueError:
+        buckets = ()
+    if not buckets or any(len(b) != 2 or min(b) < 1 for b in buckets):
+        raise ValueError(f"{key}={spec!r}: use rows x tokens, e.g. 4x8,8x8")
+    return {"prefill_buckets": buckets}
+
+
 def load_model_or_preset(cfg):
     """(ModelConfig, params) for ``cfg.model`` / ``cfg.dtype``: SmolLM2-135M-Instruct when
     ``cfg.model`` is empty, else that random-weight preset (seed 3)."""

@@ -175,7 +175,8 @@ def start_server(c):
 
     s = c.server
     kw = dict(max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs, page_size=s.page_size,
-              max_num_batched_tokens=s.max_num_batched_tokens, backend=s.backend or None)
+              max_num_batched_tokens=s.max_num_batched_tokens, backend=s.backend or None,
+              **common.prefill_buckets(s.prefill_buckets, "server.prefill_buckets"))
     if c.model == "tiny-random":
         from llmserve import Engine, EngineConfig
         from llmserve.checkpoint.gguf import default_model_path

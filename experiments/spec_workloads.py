@@ -10,6 +10,7 @@ import zlib
 from typing import Optional
 
 HELD_OUT = 0.15  # configs/distill_draft.py eval_fraction: prompts the draft never trained on
+GROUNDED, CHAT = "input-grounded", "chat"  # the two workloads' names (rows, JSON keys)
 
 
 @dataclasses.dataclass(frozen=True)

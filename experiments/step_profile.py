@@ -219,7 +219,7 @@ def main(argv):
     for backend in cfg.backends.split(","):
         engine = Engine(mcfg, params, None, EngineConfig(
             max_model_len=cfg.context + 256, max_num_seqs=cfg.batch, backend=backend,
-            enable_prefix_caching=False))
+            enable_prefix_caching=False, **common.prefill_buckets(cfg.prefill_buckets)))
         engine.warmup()
         fill(engine, cfg, mcfg.vocab_size)
         res = profile(engine, cfg)

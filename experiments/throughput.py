@@ -110,26 +110,12 @@ def build_llmserve(cfg, mcfg, params, scheduling: str, skip_tokenizer: bool = Fa
               enable_prefix_caching=lcfg.enable_prefix_caching,
               scheduling="static" if scheduling == "static" else "continuous",
               prefill_first=scheduling != "mixed", async_scheduling=scheduling != "sync",
-              backend=lcfg.backend or None,
-              **prefill_buckets(lcfg.prefill_buckets), warmup=True,
-              skip_tokenizer_init=skip_tokenizer)
+              backend=lcfg.backend or None, warmup=True, skip_tokenizer_init=skip_tokenizer,
+              **common.prefill_buckets(lcfg.prefill_buckets, "llmserve.prefill_buckets"))
     llm.setup_s = time.perf_counter() - t0
     llm.generate(warmup_prompts(cfg), SamplingParams(temperature=0.0, max_tokens=cfg.warmup_tokens,
                                                      ignore_eos=True), use_tqdm=False)
     return llm
-
-
-def prefill_buckets(spec: str) -> dict:
-    """``"4x8,8x8,..."`` -> {"prefill_buckets": ((4, 8), (8, 8), ...)}; "" -> {} (the default)."""
-    if not spec:
-        return {}
-    try:
-        buckets = tuple(tuple(int(v) for v in b.split("x")) for b in spec.split(","))
-    except ValueError:
-        buckets = ()
-    if not buckets or any(len(b) != 2 or min(b) < 1 for b in buckets):
-        raise ValueError(f"llmserve.prefill_buckets={spec!r}: use rows x tokens, e.g. 4x8,8x8")
-    return {"prefill_buckets": buckets}
 
 
 def run_llmserve(cfg, llm, workload: list[Request]) -> dict:

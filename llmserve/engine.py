@@ -80,7 +80,7 @@ class Engine:
             num_logprobs=config.max_logprobs, decode_buckets=config.decode_buckets,
             prefill_buckets=prefill_buckets, mixed_decode_buckets=config.mixed_decode_buckets,
             num_speculative_tokens=num_speculative_tokens(config.speculative_config),
-            eagle=eagle,
+            verify_buckets=config.verify_buckets, eagle=eagle,
             batch_invariant=config.batch_invariant, shardings=shardings,
             max_prefill_seqs=config.max_prefill_seqs, ngram=ngram)
         self.blocks = BlockManager(num_pages, config.page_size,

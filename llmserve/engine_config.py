@@ -35,6 +35,9 @@ class EngineConfig:
     max_prefill_seqs: int = 8  # prompt chunks one step may carry (its prefill sampled rows)
     decode_buckets: Optional[tuple] = None  # default: by dtype (batch.default_decode_buckets)
     mixed_decode_buckets: Optional[tuple] = None  # decode rows beside prefill chunks
+    # Speculation's verify rows [B, 1 + D] (default: 1, 2, 4 and the decode buckets; the
+    # largest must hold max_num_seqs rows). Fewer buckets, fewer step shapes to compile.
+    verify_buckets: Optional[tuple] = None
     # Bitwise batch invariance: a request's tokens and logprobs never depend on what shares
     # its steps, on chunking, caching or preemption (runner.invariant_min_rows).
     batch_invariant: bool = False
@@ -99,6 +102,15 @@ class EngineConfig:
             raise ValueError(
                 f"KV cache of {self.num_pages} pages cannot hold one sequence of max_model_len="
                 f"{self.max_model_len} ({pages_per_seq} pages of {self.page_size} + 1 dummy)")
+        if self.verify_buckets is not None:
+            vb = self.verify_buckets
+            if (not isinstance(vb, (tuple, list)) or not vb
+                    or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in vb)):
+                raise ValueError(f"EngineConfig.verify_buckets={vb!r}: must be a non-empty tuple "
+                                 "of ints >= 1")
+            if max(vb) < self.max_num_seqs:
+                raise ValueError(f"EngineConfig.verify_buckets={vb!r}: the largest must hold "
+                                 f"max_num_seqs={self.max_num_seqs} rows")
         if self.speculative_config is not None:
             from llmserve.speculative.policy import SpeculativeConfig
 

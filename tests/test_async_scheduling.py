@@ -139,7 +139,7 @@ def test_speculation_runs_plain_steps_ahead_and_verifies_synchronously(tiny, mon
                      SamplingParams(temperature=0, max_tokens=int(rng.integers(8, 40)),
                                     ignore_eos=True)))
     want = run(make(cfg, params, False, batch_invariant=False), reqs)
-    eng = make(cfg, params, True, batch_invariant=False, speculative_config={
+    eng = make(cfg, params, True, batch_invariant=False, verify_buckets=(8,), speculative_config={
         "method": "ngram", "num_speculative_tokens": 2})
     turns = iter([True, False, False, False] * 1000)
     monkeypatch.setattr(eng.policy, "speculate",  # (True once the drafts are known)
@@ -216,8 +216,9 @@ def test_device_lookup_verify_steps_run_ahead(tiny, monkeypatch):
             kw["stop_token_ids"] = [motif[0]]
         reqs.append((str(i), (motif * 12)[:int(rng.integers(4, 40))], SamplingParams(**kw)))
     want = run(make(cfg, params, False, batch_invariant=False, num_pages=40), reqs)
-    eng = make(cfg, params, True, batch_invariant=False, num_pages=40, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_on_device": True})
+    eng = make(cfg, params, True, batch_invariant=False, num_pages=40, verify_buckets=(8,),
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_on_device": True})
     assert eng.speculation.device_lookup
     coin = random.Random(0)
     monkeypatch.setattr(eng.policy, "speculate",

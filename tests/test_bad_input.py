@@ -166,6 +166,9 @@ def tiny_llm(**kw):
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 0}), ValueError,
      "num_speculative_tokens"),
     (dict(num_pages=3, max_model_len=64), ValueError, "cannot hold one sequence"),
+    (dict(verify_buckets=()), ValueError, "verify_buckets"),
+    (dict(verify_buckets=(0, 32)), ValueError, "verify_buckets"),
+    (dict(verify_buckets=(8,), max_num_seqs=16), ValueError, "max_num_seqs=16"),
 ])
 def test_llm_constructor_rejects_bad_knobs(kw, exc, match):
     with pytest.raises(exc, match=match):

@@ -115,7 +115,7 @@ def test_min_tokens_bans_many_stop_ids_and_matches_under_speculation(tiny):
                  {"method": "draft", "model": (cfg, params), "num_speculative_tokens": 4,
                   "adaptive": False}):
         # One request: two slots and one prefill bucket keep the compiled set small.
-        eng = make_engine(cfg, params, max_num_seqs=2, decode_buckets=(2,),
+        eng = make_engine(cfg, params, max_num_seqs=2, decode_buckets=(2,), verify_buckets=(2,),
                           prefill_buckets=((2, 8),), speculative_config=spec)
         got = run_all(eng, [prompt], [sp])[0].outputs[0]
         assert got.token_ids == plain.token_ids and got.finish_reason == plain.finish_reason
@@ -231,7 +231,7 @@ def test_abort_reports_final_output_and_spares_the_other_request(tiny):
 # ---------------------------------------------------------------- 6. leaks
 def test_speculation_policy_forgets_finished_sequences(tiny):
     cfg, params = tiny
-    eng = make_engine(cfg, params, decode_buckets=(8,), speculative_config={
+    eng = make_engine(cfg, params, decode_buckets=(8,), verify_buckets=(8,), speculative_config={
         "method": "ngram", "num_speculative_tokens": 2, "adaptive": False})
     run_all(eng, [[1, 2, 1, 2, 1, 2]] * 3, [SamplingParams(temperature=0, max_tokens=8)] * 3)
     eng.add_request("x", [1, 2, 1, 2], SamplingParams(temperature=0, max_tokens=40))

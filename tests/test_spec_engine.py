@@ -15,9 +15,11 @@ from .test_engine import run_all
 
 
 def make_engine(cfg, params, **kw):
-    """One decode bucket and one block-packed prefill bucket (up to 4 chunks, 32 tokens):
-    verify and draft shapes compile once per K, and the compiled set stays small."""
+    """One decode bucket, one verify bucket and one block-packed prefill bucket (up to 4
+    chunks, 32 tokens): verify and draft shapes compile once per K, and the compiled set stays
+    small (5 step shapes; the default verify buckets 1, 2, 4, 8 made it 8)."""
     kw.setdefault("prefill_buckets", ((4, 8),))
+    kw.setdefault("verify_buckets", (8,))
     return _make_engine(cfg, params, decode_buckets=(8,), **kw)
 
 
@@ -36,6 +38,25 @@ def repetitive_workload(cfg, n, seed=0):
         prompts.append((motif * 8)[: rng.integers(6, 30)])
     lens = rng.integers(1, 24, n).tolist()
     return prompts, lens
+
+
+def test_verify_buckets_choose_the_verify_step_shapes(tiny):
+    """``EngineConfig.verify_buckets`` sets the verify shapes compiled at warm-up, and a verify
+    step pads its rows to the smallest of them (default: 1, 2, 4 and the decode buckets)."""
+    cfg, params = tiny
+
+    def verify_shapes(**kw):
+        eng = Engine(cfg, params, None, EngineConfig(
+            max_model_len=96, max_num_seqs=8, page_size=4, max_num_batched_tokens=32,
+            prefill_buckets=((4, 8),), decode_buckets=(8,),
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **kw))
+        return ([s for s in eng.runner.step_shapes() if s[2] > 1],
+                eng.runner.batches.decode_bucket(1, verify=True))
+
+    assert verify_shapes() == ([(1, None, 3), (2, None, 3), (4, None, 3), (8, None, 3),
+                                (8, (4, 8), 3)], 1)
+    assert verify_shapes(verify_buckets=(2, 8)) == ([(2, None, 3), (8, None, 3),
+                                                     (8, (4, 8), 3)], 2)
 
 
 # The extremes of K per method (ngram 3 and draft 2 added 70 s of CI and no other path).
