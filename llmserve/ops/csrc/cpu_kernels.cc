@@ -1008,7 +1008,10 @@ inline void GemmNKTile(const uint16_t* x, int64_t k_dim, int64_t m0, const uint1
 // at V = 49,152 on the Zen 4 (old and new builds alternated twice, fastest of 15 calls):
 // 256 rows 68.2-68.5 -> 65.4-65.6 ms, 32 rows 6.6-6.7 -> 6.2-6.5, 10 rows 3.3-3.8 -> 3.2-3.4,
 // 1-5 rows unchanged. Streaming (non-temporal) row stores were no faster. The rest of the gap
-// to V = 6,144 (318 GFLOP/s at 256 rows against ~220 here) is not yet explained.
+// to V = 6,144 (318 GFLOP/s at 256 rows against ~220 here) is page faults, not this kernel:
+// glibc maps the 50 MB output afresh on every call, and the tiles' first stores fault it in.
+// With the heap settings of llmserve/host_memory.py given at process start, the same calls
+// take 37.8-38.1 ms against 63.7-63.8 ms (~380 GFLOP/s; 32 rows unchanged at 6.2 ms).
 
 inline void GemmNKRowTile(const uint16_t* x, int64_t mr, int64_t k_dim, int64_t m0,
                           const uint16_t* w, int64_t n, int64_t n0, int64_t n1, float* out) {
