@@ -193,9 +193,9 @@ class BatchBuilder:
         # small buckets that decode drops; beside prefill chunks it pads to the largest.
         self.num_speculative_tokens = num_speculative_tokens
         if verify_buckets is None:
-            verify_buckets = sorted({min(max_slots, b) for b in (1, 2, 4)}
-                                    | set(self.decode_buckets))
-        self.verify_buckets = sorted(verify_buckets) if num_speculative_tokens else []
+            verify_buckets = {min(max_slots, b) for b in (1, 2, 4)} | set(self.decode_buckets)
+        # A repeated bucket (EngineConfig.verify_buckets=(8, 8)) is one shape, compiled once.
+        self.verify_buckets = sorted(set(verify_buckets)) if num_speculative_tokens else []
         self.head = head
         self.batch_invariant = batch_invariant
         self.min_rows = min_rows
