@@ -11,7 +11,11 @@ Pipeline (the order of vLLM):
 XLA:CPU shapes the implementation (measured on [32, 49152]): a sort costs ~0.5 s, a threefry
 draw of [B, V] noise ~20 ms, a variadic argmax ~8 ms, while a plain reduction is ~0.3 ms. So
 top-k / top-p thresholds are found by bisection (exact, no sort), the categorical draw is a
-two-level inverse CDF on one uniform per row, and argmax is two float reductions.
+two-level inverse CDF on one uniform per row, and argmax is two float reductions. On CPU the
+native kernel (``cpu_kernels.sample_cpu``, see ``native_sampling``) replaces the filters and the
+draw: thresholds by radix selection, a few passes per row (a 256-row step of 49,152 logits:
+top-p 0.9 281 -> ~25 ms, top-k 50 229 -> ~25, temperature alone 34 -> ~15); the jnp path is
+its oracle and what other platforms run.
 
 The expensive stages sit behind ``lax.cond`` on "does any row need it", so an all-greedy
 batch without penalties costs one argmax and one log-softmax per step:
@@ -24,6 +28,8 @@ depend on its seed and positions only, never on which other requests share the b
 """
 
 from __future__ import annotations
+
+import os
 
 import flax
 import jax
@@ -289,10 +295,38 @@ def _filter(scaled: Array, arrays: SamplingArrays) -> Array:
     )
 
 
+def native_sampling() -> bool:
+    """Whether the filters and the draw run in the native CPU kernel (``cpu_kernels.sample_cpu``):
+    on CPU when it is built, unless ``LLMSERVE_NATIVE_SAMPLING=0`` (the jnp path, the oracle).
+    Read when a function is traced."""
+    if jax.default_backend() != "cpu" or os.environ.get("LLMSERVE_NATIVE_SAMPLING") == "0":
+        return False
+    from llmserve.ops import cpu_kernels
+
+    return cpu_kernels.available()
+
+
+def _native_sample(penalized: Array, arrays: SamplingArrays, uniform: Array | None
+                   ) -> tuple[Array, Array]:
+    """cpu_kernels.sample_cpu on penalized logits: (tokens, thresholds) [B] (greedy rows: 0,
+    -inf); ``uniform`` None skips the draw."""
+    from llmserve.ops import cpu_kernels
+
+    temp = jnp.where(_is_greedy(arrays), 0.0, arrays.temperature)
+    draw = uniform is not None
+    uniform = jnp.zeros_like(temp) if uniform is None else uniform
+    return cpu_kernels.sample_cpu(penalized, temp, arrays.top_k, arrays.top_p, arrays.min_p,
+                                  uniform, draw=draw)
+
+
 def _scale_and_filter(penalized: Array, arrays: SamplingArrays) -> Array:
     """Temperature (greedy rows left unscaled), then the filters. [B, V] -> [B, V] f32."""
     temp = jnp.where(_is_greedy(arrays), 1.0, arrays.temperature)[:, None]  # [B, 1]
-    return _filter(penalized / temp, arrays)
+    scaled = penalized / temp
+    if native_sampling():  # thresholds in penalized-logit units: no rounding of `scaled` moves them
+        _, thresh = _native_sample(penalized, arrays, None)
+        return jnp.where(penalized >= thresh[:, None], scaled, -jnp.inf)
+    return _filter(scaled, arrays)
 
 
 def process_logits(
@@ -409,9 +443,12 @@ def sample(
         greedy_tokens = argmax(penalized)
 
         def draw(x):
-            processed = _scale_and_filter(x, arrays)
             uniform = jax.vmap(jax.random.uniform)(request_keys(arrays.seed, positions))  # [B]
-            return jnp.where(greedy, greedy_tokens, _inverse_cdf(processed, uniform))
+            if native_sampling():
+                sampled, _ = _native_sample(x, arrays, uniform)
+            else:
+                sampled = _inverse_cdf(_scale_and_filter(x, arrays), uniform)
+            return jnp.where(greedy, greedy_tokens, sampled)
 
         return jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, draw, penalized)
 

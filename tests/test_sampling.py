@@ -479,3 +479,84 @@ def test_greedy_argmax_runs_the_native_kernel_on_cpu():
     arrays = SamplingArrays.neutral(5)
     out = jax.jit(lambda x: sampling.sample(x, arrays, jnp.zeros(5, jnp.int32)))(x)
     np.testing.assert_array_equal(out.tokens, np.argmax(np.asarray(x), axis=-1))
+
+
+# ------------------------------------------------------------------------- native sampling
+def _jit_paths(monkeypatch, fn, **kw):
+    """fn jitted twice: traced with the native kernel (the CPU default) and with the jnp path."""
+    native = jax.jit(lambda *a: fn(*a), **kw)  # distinct callables: distinct trace caches
+    plain = jax.jit(lambda *a: fn(*a), **kw)
+
+    def run_native(*args):
+        with monkeypatch.context() as m:
+            m.delenv("LLMSERVE_NATIVE_SAMPLING", raising=False)
+            return native(*args)
+
+    def run_plain(*args):
+        with monkeypatch.context() as m:
+            m.setenv("LLMSERVE_NATIVE_SAMPLING", "0")
+            return plain(*args)
+
+    run_native.lower = native.lower
+    return run_native, run_plain
+
+
+@pytest.mark.parametrize("v", [64, 1003, 49152])
+def test_native_sampling_matches_the_jnp_path_and_vllm(monkeypatch, v):
+    """On CPU the filters and the draw run in ``cpu_kernels.sample_cpu`` (radix selection, not
+    bisection). Against the jnp path, the oracle, on random rows of SmolLM2's vocabulary, one not
+    a multiple of the 16-lane vector, and a small one: the same kept tokens with the same
+    values for every mix of temperature, top-k (off, 1, V - 1, V, > V), top-p (off, 0, random),
+    min-p and greedy rows, rows with many ties at the k-th value and -inf entries; both agree
+    with the numpy vLLM reference; the same drawn tokens for the same seeds and positions, each
+    among the kept ones; and the kernel is what the jitted functions run."""
+    from llmserve.ops import cpu_kernels
+
+    if jax.default_backend() != "cpu" or not cpu_kernels.available():
+        pytest.skip("the native kernels run on CPU only")
+    rng = np.random.default_rng(v)
+    b = 24
+    logits = (rng.standard_normal((b, v)) * rng.uniform(0.5, 4, (b, 1))).astype(np.float32)
+    logits[0] = rng.integers(0, 7, v)  # many ties
+    logits[1, ::3] = -np.inf
+    temp = rng.uniform(0.3, 2.0, b)
+    k = rng.integers(1, min(v, 200), b)
+    k[:6] = [5, 0, 1, v - 1, v, v + 7]
+    p = rng.uniform(0.05, 1.0, b)
+    p[6:10] = [1.0, 0.0, 0.9, 1.0]
+    k[6:10] = [0, 0, 0, 40]
+    min_p = np.where(rng.random(b) < 0.25, rng.uniform(0.01, 0.3, b), 0.0)
+    p[0], min_p[0] = 1.0, 0.0
+    rows = [{"temperature": float(temp[i]), "top_k": int(k[i]), "top_p": float(p[i]),
+             "min_p": float(min_p[i]), "seed": 100 + i} for i in range(b)]
+    for i in (11, 17):
+        rows[i] = {"top_k": 3, "top_p": 0.5, "seed": i}  # greedy rows: untouched
+    arrays = _arrays(rows)
+    x = jnp.asarray(logits)
+
+    native, plain = _jit_paths(monkeypatch, sampling.process_logits)
+    got, want = np.asarray(native(x, arrays)), np.asarray(plain(x, arrays))
+    assert "llmserve_sample_cpu" in native.lower(x, arrays).as_text()
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_array_equal(got, want)
+    sampled = [i for i in range(b) if i not in (11, 17)]
+    kept = np.isfinite(got).sum(-1)
+    assert kept[7] == 1 and kept[2] == 1 and kept[6] == v and kept[sampled].min() >= 1
+    assert kept[0] == (logits[0] >= np.sort(logits[0])[-5]).sum() > 5  # ties at the 5th kept
+    # vLLM's top-k / top-p on the scaled logits (rows without min-p).
+    scaled = logits / temp[:, None].astype(np.float32)
+    ref = np.isfinite(_np_top_k_top_p(scaled, k, p))
+    plain_rows = [i for i in sampled if min_p[i] == 0.0]
+    np.testing.assert_array_equal(np.isfinite(got[plain_rows]), ref[plain_rows])
+    np.testing.assert_array_equal(got[[11, 17]], logits[[11, 17]])
+
+    def draw(x, arrays, positions):
+        return sampling.sample(x, arrays, positions).tokens
+
+    native, plain = _jit_paths(monkeypatch, draw)
+    for _ in range(3):
+        pos = jnp.asarray(rng.integers(0, 1000, b), jnp.int32)
+        tokens = np.asarray(native(x, arrays, pos))
+        np.testing.assert_array_equal(tokens, np.asarray(plain(x, arrays, pos)))
+        assert np.isfinite(got[np.arange(b), tokens]).all()
+        np.testing.assert_array_equal(tokens[[11, 17]], logits[[11, 17]].argmax(-1))
