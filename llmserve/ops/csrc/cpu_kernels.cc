@@ -1599,45 +1599,233 @@ struct SampleScratch {
   std::vector<double> block;
 };
 
+#if defined(__AVX512F__)
+inline __mmask16 TailMask(int64_t left) {  // the first min(left, 16) lanes
+  return static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1u);
+}
+
+inline __m512i OrderKey16(__m512 f) {  // OrderKey, 16 lanes: u ^ (sign ? ~0 : 0x80000000)
+  const __m512i u = _mm512_castps_si512(f);
+  return _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31),
+                                             _mm512_set1_epi32(INT32_MIN)));
+}
+#endif
+
+// The indices i in [0, v) with lo <= OrderKey(x[i]) <= hi, in order, into out.
+void GatherKeyRange(const float* x, int64_t v, uint32_t lo, uint32_t hi,
+                    std::vector<int32_t>& out) {
+  out.resize(v + 16);  // room for a whole vector store past the last index
+  int32_t* o = out.data();
+  int64_t n = 0;
+#if defined(__AVX512F__)
+  const __m512i vlo = _mm512_set1_epi32(static_cast<int32_t>(lo));
+  const __m512i vhi = _mm512_set1_epi32(static_cast<int32_t>(hi));
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t i = 0; i < v; i += 16) {
+    const __mmask16 live = TailMask(v - i);
+    const __m512i key = OrderKey16(_mm512_maskz_loadu_ps(live, x + i));
+    const __mmask16 in = live & _mm512_cmp_epu32_mask(key, vlo, _MM_CMPINT_NLT) &
+                         _mm512_cmp_epu32_mask(key, vhi, _MM_CMPINT_LE);
+    // Compress in a register, then a plain store (a compressing store to memory is
+    // microcoded on AMD Zen 4, ~10x slower).
+    _mm512_storeu_si512(o + n, _mm512_maskz_compress_epi32(in, idx));
+    n += __builtin_popcount(in);
+    idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+  }
+#else
+  for (int64_t i = 0; i < v; ++i) {
+    const uint32_t key = OrderKey(x[i]);
+    if (key >= lo && key <= hi) o[n++] = static_cast<int32_t>(i);
+  }
+#endif
+  out.resize(n);
+}
+
 // The largest key t with weight(candidates with key >= t) >= target, where the candidates are
 // cand[0 .. n) (every index 0 .. n - 1 when cand is null) and the weight of index i is
 // weight(i) >= 0 (a count or a mass). The caller guarantees the candidates' total reaches
 // target. Three radix levels (11, 11 and 10 bits of the key): each level histograms the
 // weights of the candidates still sharing the chosen prefix, walks the bins from the top, and
-// keeps the bin where the running weight reaches target.
+// keeps the bin where the running weight reaches target. Level 0 over a whole row keeps two
+// interleaved histograms (neighbouring logits often share a bin: one histogram would wait on
+// its own last store) and gathers the chosen bin's indices with vector compress stores.
 template <typename Weight>
 uint32_t SelectKey(const float* x, const int32_t* cand, int64_t n, double target, Weight weight,
                    SampleScratch& s) {
   constexpr int kShift[3] = {21, 10, 0};
   constexpr int kBins[3] = {2048, 2048, 1024};
-  double hist[2048];
+  double hist[2][2048];
   double above = 0.0;  // weight of the candidates above the chosen prefix
   uint32_t prefix = 0;
   for (int level = 0; level < 3; ++level) {
     const int shift = kShift[level];
     const uint32_t mask = static_cast<uint32_t>(kBins[level] - 1);
-    std::fill(hist, hist + kBins[level], 0.0);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t i = cand ? cand[j] : j;
-      hist[(OrderKey(x[i]) >> shift) & mask] += weight(i);
+    std::fill(hist[0], hist[0] + kBins[level], 0.0);
+    std::fill(hist[1], hist[1] + kBins[level], 0.0);
+    if (cand) {
+      for (int64_t j = 0; j < n; ++j)
+        hist[j & 1][(OrderKey(x[cand[j]]) >> shift) & mask] += weight(cand[j]);
+    } else {
+#if defined(__AVX512F__)
+      alignas(64) uint32_t digit[16];
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 live = TailMask(n - i);
+        _mm512_store_si512(digit, _mm512_srli_epi32(
+            OrderKey16(_mm512_maskz_loadu_ps(live, x + i)), shift));
+        const int64_t m = std::min<int64_t>(16, n - i);
+        for (int64_t l = 0; l < m; ++l) hist[l & 1][digit[l]] += weight(i + l);
+      }
+#else
+      for (int64_t i = 0; i < n; ++i) hist[i & 1][OrderKey(x[i]) >> shift] += weight(i);
+#endif
     }
     uint32_t bin = static_cast<uint32_t>(kBins[level] - 1);
     for (; bin > 0; --bin) {
-      if (above + hist[bin] >= target) break;
-      above += hist[bin];
+      const double w = hist[0][bin] + hist[1][bin];
+      if (above + w >= target) break;
+      above += w;
     }
     prefix |= bin << shift;
     if (level == 2) break;
     std::vector<int32_t>& out = level == 0 ? s.a : s.b;
-    out.clear();
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t i = cand ? cand[j] : j;
-      if (((OrderKey(x[i]) >> shift) & mask) == bin) out.push_back(static_cast<int32_t>(i));
+    if (!cand) {
+      GatherKeyRange(x, n, prefix, prefix | ((1u << shift) - 1u), out);
+    } else {
+      out.clear();
+      for (int64_t j = 0; j < n; ++j)
+        if (((OrderKey(x[cand[j]]) >> shift) & mask) == bin) out.push_back(cand[j]);
     }
     cand = out.data();
     n = static_cast<int64_t>(out.size());
   }
   return prefix;
+}
+
+// x = logits / temperature (IEEE division) into x; returns max x.
+float ScaleRow(const float* logits, int64_t v, float temperature, float* x) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  const __m512 t = _mm512_set1_ps(temperature);
+  __m512 mx = _mm512_set1_ps(-kInf);
+  for (int64_t i = 0; i < v; i += 16) {
+    const __mmask16 live = TailMask(v - i);
+    const __m512 xi = _mm512_div_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-kInf), live,
+                                                         logits + i), t);
+    _mm512_mask_storeu_ps(x + i, live, xi);
+    mx = _mm512_max_ps(mx, xi);
+  }
+  return _mm512_reduce_max_ps(mx);
+#else
+  float m = -kInf;
+  for (int64_t i = 0; i < v; ++i) {
+    x[i] = logits[i] / temperature;
+    m = std::max(m, x[i]);
+  }
+  return m;
+#endif
+}
+
+// e = exp(x - m) into e; returns its sum (float64).
+double ExpRow(const float* x, int64_t v, float m, float* e) {
+#if defined(__AVX512F__)
+  const __m512 top = _mm512_set1_ps(m);
+  __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+  for (int64_t i = 0; i < v; i += 16) {
+    const __mmask16 live = TailMask(v - i);
+    const __m512 xi = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                           live, x + i);
+    const __m512 ei = ExpNonPositive16(_mm512_sub_ps(xi, top));
+    _mm512_mask_storeu_ps(e + i, live, ei);
+    s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(ei)));
+    s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+                               _mm512_castps_pd(ei), 1))));
+  }
+  return _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+#else
+  double sum = 0.0;
+  for (int64_t i = 0; i < v; ++i) sum += (e[i] = ExpNonPositive(x[i] - m));
+  return sum;
+#endif
+}
+
+// e[i] = exp(x[i] - m) for i in idx[0 .. n); returns their sum (float64). The same exp as
+// ExpRow's (the vector polynomial and the scalar one differ in the last bit).
+double ExpAt(const float* x, const int32_t* idx, int64_t n, float m, float* e) {
+  double sum = 0.0;
+#if defined(__AVX512F__)
+  const __m512 top = _mm512_set1_ps(m);
+  alignas(64) float buf[16];
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 live = TailMask(n - j);
+    const __m512i ij = _mm512_maskz_loadu_epi32(live, idx + j);
+    const __m512 xj = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, ij, x, 4);
+    _mm512_store_ps(buf, ExpNonPositive16(_mm512_sub_ps(xj, top)));
+    const int64_t left = std::min<int64_t>(16, n - j);
+    for (int64_t l = 0; l < left; ++l) sum += (e[idx[j + l]] = buf[l]);
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) sum += (e[idx[j]] = ExpNonPositive(x[idx[j]] - m));
+#endif
+  return sum;
+}
+
+// w[i] = x[i] >= t ? exp(x[i] - m) : 0 for i in [0, n): KeptMass's terms, one by one.
+void KeptMasses(const float* x, int64_t n, float m, float t, float* w) {
+#if defined(__AVX512F__)
+  const __m512 top = _mm512_set1_ps(m), tv = _mm512_set1_ps(t);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = TailMask(n - i);
+    const __m512 xi = _mm512_maskz_loadu_ps(live, x + i);
+    const __mmask16 keep = live & _mm512_cmp_ps_mask(xi, tv, _CMP_GE_OQ);
+    _mm512_mask_storeu_ps(w + i, live,
+                          _mm512_maskz_mov_ps(keep, ExpNonPositive16(_mm512_sub_ps(xi, top))));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) w[i] = x[i] >= t ? ExpNonPositive(x[i] - m) : 0.0f;
+#endif
+}
+
+// sum of exp(x[i] - m) over i in [lo, hi) with x[i] >= t (float64).
+double KeptMass(const float* x, int64_t lo, int64_t hi, float m, float t) {
+#if defined(__AVX512F__)
+  const __m512 top = _mm512_set1_ps(m), tv = _mm512_set1_ps(t);
+  __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+  for (int64_t i = lo; i < hi; i += 16) {
+    const __mmask16 live = TailMask(hi - i);
+    const __m512 xi = _mm512_maskz_loadu_ps(live, x + i);
+    const __mmask16 keep = live & _mm512_cmp_ps_mask(xi, tv, _CMP_GE_OQ);
+    const __m512 ei = _mm512_maskz_mov_ps(keep, ExpNonPositive16(_mm512_sub_ps(xi, top)));
+    s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(ei)));
+    s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+                               _mm512_castps_pd(ei), 1))));
+  }
+  return _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+#else
+  double sum = 0.0;
+  for (int64_t i = lo; i < hi; ++i) sum += x[i] >= t ? ExpNonPositive(x[i] - m) : 0.0f;
+  return sum;
+#endif
+}
+
+// The smallest logits[i] with x[i] >= t (+inf when none).
+float SmallestKept(const float* logits, const float* x, int64_t v, float t) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  const __m512 tv = _mm512_set1_ps(t);
+  __m512 mn = _mm512_set1_ps(kInf);
+  for (int64_t i = 0; i < v; i += 16) {
+    const __mmask16 live = TailMask(v - i);
+    const __mmask16 keep =
+        live & _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(live, x + i), tv, _CMP_GE_OQ);
+    mn = _mm512_mask_min_ps(mn, keep, mn, _mm512_maskz_loadu_ps(live, logits + i));
+  }
+  return _mm512_reduce_min_ps(mn);
+#else
+  float lo = kInf;
+  for (int64_t i = 0; i < v; ++i)
+    if (x[i] >= t) lo = std::min(lo, logits[i]);
+  return lo;
+#endif
 }
 
 void SampleRow(const float* logits, int64_t v, float temperature, int32_t top_k, float top_p,
@@ -1651,62 +1839,36 @@ void SampleRow(const float* logits, int64_t v, float temperature, int32_t top_k,
   const bool filters = k < v || top_p < 1.0f;
   if (!filters && !(min_p > 0.0f) && !draw) return;  // nothing to find
   s.x.resize(v);
-  s.e.resize(v);
   float* x = s.x.data();
-  float* e = s.e.data();
-  float m = -kInf;
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < v; ++i) {
-    x[i] = logits[i] / temperature;
-    m = std::max(m, x[i]);
-  }
+  const float m = ScaleRow(logits, v, temperature, x);
   if (!std::isfinite(m)) return;  // all -inf (or +inf / NaN): nothing sensible to draw
   float t = -kInf;
-  const bool need_e = draw || top_p < 1.0f;
-  if (need_e) {
-#if defined(__AVX512F__)  // GCC leaves the scalar ExpNonPositive loop unvectorized (~7x slower)
-    const __m512 top = _mm512_set1_ps(m);
-    for (int64_t i = 0; i < v; i += 16) {
-      const int64_t left = std::min<int64_t>(16, v - i);
-      const __mmask16 live = static_cast<__mmask16>(left == 16 ? 0xFFFF : (1u << left) - 1u);
-      const __m512 xi = _mm512_mask_loadu_ps(_mm512_set1_ps(-kInf), live, x + i);
-      _mm512_mask_storeu_ps(e + i, live, ExpNonPositive16(_mm512_sub_ps(xi, top)));
-    }
-#else
-    for (int64_t i = 0; i < v; ++i) e[i] = ExpNonPositive(x[i] - m);
-#endif
-  }
   if (filters) {
     const int32_t* cand = nullptr;  // the top-k survivors (null: the whole row)
     int64_t n = v;
     if (k < v) {
       t = KeyValue(SelectKey(x, nullptr, v, static_cast<double>(k),
                              [](int64_t) { return 1.0; }, s));
-      s.cand.clear();
-      for (int64_t i = 0; i < v; ++i)
-        if (x[i] >= t) s.cand.push_back(static_cast<int32_t>(i));
+      GatherKeyRange(x, v, OrderKey(t), 0xFFFFFFFFu, s.cand);
       cand = s.cand.data();
       n = static_cast<int64_t>(s.cand.size());
     }
     if (top_p < 1.0f) {
+      s.e.resize(v);
+      float* e = s.e.data();
       double mass = 0.0;
       if (cand) {
-        for (int64_t j = 0; j < n; ++j) mass += e[cand[j]];
+        mass = ExpAt(x, cand, n, m, e);
       } else {
-#pragma omp simd reduction(+ : mass)
-        for (int64_t i = 0; i < v; ++i) mass += e[i];
+        mass = ExpRow(x, v, m, e);
       }
       const double target = std::max(static_cast<double>(top_p) * mass, 0.5);
       t = KeyValue(SelectKey(x, cand, n, target, [e](int64_t i) { return double(e[i]); }, s));
     }
   }
   if (min_p > 0.0f) t = std::max(t, m + std::log(min_p));
-  if (t > -kInf) {  // as a raw logit: the smallest kept one (division is monotone: same set)
-    float lo = kInf;
-#pragma omp simd reduction(min : lo)
-    for (int64_t i = 0; i < v; ++i) lo = std::min(lo, x[i] >= t ? logits[i] : kInf);
-    *threshold = lo;
-  }
+  // As a raw logit: the smallest kept one (division is monotone: the same set).
+  if (t > -kInf) *threshold = SmallestKept(logits, x, v, t);
   if (!draw) return;
   // Block masses of the kept tokens, then the block and the token at uniform * total.
   constexpr int64_t kBlock = 256;
@@ -1715,10 +1877,7 @@ void SampleRow(const float* logits, int64_t v, float temperature, int32_t top_k,
   double total = 0.0;
   int64_t last_block = 0;
   for (int64_t j = 0; j < nb; ++j) {
-    const int64_t lo = j * kBlock, hi = std::min(v, lo + kBlock);
-    double bm = 0.0;
-#pragma omp simd reduction(+ : bm)
-    for (int64_t i = lo; i < hi; ++i) bm += x[i] >= t ? e[i] : 0.0f;
+    const double bm = KeptMass(x, j * kBlock, std::min(v, (j + 1) * kBlock), m, t);
     s.block[j] = bm;
     total += bm;
     if (bm > 0.0) last_block = j;
@@ -1738,10 +1897,12 @@ void SampleRow(const float* logits, int64_t v, float temperature, int32_t top_k,
     for (int64_t j = 0; j < blk; ++j) before += s.block[j];
   }
   const int64_t lo = blk * kBlock, hi = std::min(v, lo + kBlock);
+  alignas(64) float w_block[kBlock];  // the block's kept masses, as KeptMass computed them
+  KeptMasses(x + lo, hi - lo, m, t, w_block);
   double run = before;
   int64_t pick = -1, last = lo;
   for (int64_t i = lo; i < hi; ++i) {
-    const double w = x[i] >= t ? e[i] : 0.0f;
+    const double w = w_block[i - lo];
     if (w > 0.0) last = i;
     run += w;
     if (pick < 0 && run > target) pick = i;
