@@ -40,6 +40,7 @@ try:
     from experiments.workloads import (
         Request,
         build_workload,
+        sampling_kwargs,
         warmup_prompts,
         workload_summary,
         write_workload,
@@ -48,7 +49,14 @@ except ImportError:  # run as a script: python experiments/throughput.py
     import common
     from baselines import export_hf_dir, load_hf_model, run_hf_batch, run_hf_single, run_vllm
     from schedule import StepProbe, ideal_schedule, step_times
-    from workloads import Request, build_workload, warmup_prompts, workload_summary, write_workload
+    from workloads import (
+        Request,
+        build_workload,
+        sampling_kwargs,
+        warmup_prompts,
+        workload_summary,
+        write_workload,
+    )
 
 common.quiet_startup()
 # torch's OpenMP threads spin at barriers; on cores shared with other jobs that made HF generate
@@ -124,8 +132,10 @@ def run_llmserve(cfg, llm, workload: list[Request]) -> dict:
 
     engine = llm.engine
     prompts = [list(r.prompt_ids) for r in workload]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
-              for r in workload]
+    sampling = sampling_kwargs(cfg.workload.sampling)  # request i seeded i when sampled
+    params = [SamplingParams(**(sampling or {"temperature": 0.0}), max_tokens=r.max_tokens,
+                             ignore_eos=True, seed=i if sampling else None)
+              for i, r in enumerate(workload)]
     before, compiled = dict(engine.stats), engine.runner.num_compilations()
     with StepProbe(engine, cfg.profile) as probe:
         t0 = time.perf_counter()
@@ -206,7 +216,7 @@ def table(summary_rows: dict[str, dict], ref: Optional[str]) -> str:
                      _fmt(r.get("occupancy"), ".1%"), _fmt(r.get("slot_utilization"), ".1%"),
                      _fmt(r.get("kv_waste"), ".1%"),
                      f"{a['exact']}/{a['compared']} ({a['mean_prefix_fraction']:.0%})" if a
-                     else "reference"])
+                     else "reference" if name == ref else "sampled"])
     headers = ["system", "gen tokens", "wall s, median [min-max]", "tok/s, median [min-max]",
                "mean batch", "slot occupancy", "row util", "KV waste", f"greedy = {ref}"]
     return common.markdown_table(headers, rows)
@@ -225,6 +235,9 @@ def notes(cfg, summary_rows: dict, skipped: list[str], model_desc: str) -> list[
            "mean batch = unfinished requests per step; slot occupancy = mean batch / slots; row "
            "util = useful rows / computed rows (llmserve: padded up to a decode bucket); KV waste"
            " = sum over steps of (reserved - used) / reserved KV token slots"]
+    if cfg.workload.sampling:
+        out.append(f"sampled workload: {cfg.workload.sampling}, request i seeded i (every system"
+                   " draws its own tokens: no output agreement)")
     if cfg.model:
         out.append(f"random weights ({cfg.model}): speed only, outputs are meaningless")
     single = summary_rows.get("hf_single")
@@ -274,13 +287,21 @@ def main(argv) -> None:
     seeds = [int(s) for s in str(cfg.workload.seeds).split(",")]
     vocab = mcfg.vocab_size if cfg.model else None
     workloads = {s: build_workload(cfg.workload, tokenizer, s, vocab) for s in seeds}
-    paths = {s: write_workload(os.path.join(out, f"workload_seed{s}.json"), w)
+    try:
+        sampling = sampling_kwargs(cfg.workload.sampling)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    paths = {s: write_workload(os.path.join(out, f"workload_seed{s}.json"), w, sampling)
              for s, w in workloads.items()}
     logging.info("workloads: %s", {s: workload_summary(w) for s, w in workloads.items()})
     systems = [s.strip() for s in cfg.systems.split(",") if s.strip()]
     unknown = set(systems) - set(LABELS)
     if unknown:
         raise app.UsageError(f"unknown systems {sorted(unknown)}; choose from {list(LABELS)}")
+    if sampling and any(s.startswith("hf") for s in systems):
+        raise app.UsageError("the HF baselines decode greedily: drop them from --config.systems"
+                             " for a sampled workload "
+                             f"(workload.sampling={cfg.workload.sampling!r})")
     needs_dir = cfg.prepare_only or any(s.startswith("hf") or s.startswith("vllm")
                                         for s in systems)
     hf_dir = None
@@ -339,7 +360,7 @@ def main(argv) -> None:
     rows = aggregate(runs)
     ref = next((s for s in ("hf_single", "hf_batch", "llmserve_continuous") if s in runs), None)
     for name in rows:
-        if name != ref:
+        if name != ref and not sampling:  # sampled outputs differ between systems by design
             rows[name]["agreement"] = agreement(runs[name][0]["_tokens"], runs[ref][0]["_tokens"])
     rat = ratios(runs, ideal)
     caveats = notes(cfg, rows, skipped, model_desc)

@@ -79,10 +79,32 @@ def warmup_prompts(cfg) -> list[list[int]]:
     return [[100 + 7 * i + j for j in range(8)] for i in range(cfg.warmup_prompts)]
 
 
-def write_workload(path: str, workload: list[Request]) -> str:
-    """The request list as JSON, for scripts/vllm_driver.py."""
+def sampling_kwargs(spec: str, key: str = "workload.sampling") -> dict:
+    """A workload's sampling parameters from "name=value,..." (e.g. "temperature=0.7,top_p=0.9");
+    "" is greedy. Values are vLLM SamplingParams fields (temperature, top_p, top_k, min_p,
+    presence/frequency/repetition_penalty); every request also gets seed = its index."""
+    allowed = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+               "presence_penalty": float, "frequency_penalty": float,
+               "repetition_penalty": float}
+    out = {}
+    for part in filter(None, (p.strip() for p in str(spec or "").split(","))):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if not eq or name not in allowed:
+            raise ValueError(f"{key}: {part!r} is not name=value with name one of "
+                             f"{sorted(allowed)} (e.g. temperature=0.7,top_p=0.9)")
+        try:
+            out[name] = allowed[name](value)
+        except ValueError:
+            raise ValueError(f"{key}: {name}={value!r} is not a number") from None
+    return out
+
+
+def write_workload(path: str, workload: list[Request], sampling: dict | None = None) -> str:
+    """The request list as JSON, for scripts/vllm_driver.py (``sampling``: every request's
+    sampling parameters, request i seeded i; absent: greedy)."""
     with open(path, "w") as fh:
-        json.dump({"workload": workload_summary(workload), "requests": [
-            {"prompt_token_ids": list(r.prompt_ids), "max_tokens": r.max_tokens}
-            for r in workload]}, fh)
+        json.dump({"workload": workload_summary(workload), "sampling": sampling or {},
+                   "requests": [{"prompt_token_ids": list(r.prompt_ids),
+                                 "max_tokens": r.max_tokens} for r in workload]}, fh)
     return path

@@ -7,7 +7,8 @@ Runs inside the vLLM venv (.venv-vllm), never the project venv:
 
 --mode configured: enforce_eager=True, our max_num_seqs, prefix caching on (how llmserve is set
 up); --mode defaults: only model, dtype and max_model_len, everything else vLLM's defaults.
-Greedy, EOS ignored, after a 2-prompt x 4-token warm-up; writes tokens/s and the output ids.
+Greedy (or the workload's "sampling" parameters, request i seeded i), EOS ignored, after a
+2-prompt x 4-token warm-up; writes tokens/s and the output ids.
 """
 
 import argparse
@@ -49,8 +50,10 @@ def main() -> None:
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
-              for r in reqs]
+    sampling = data.get("sampling") or {"temperature": 0.0}  # request i seeded i when sampled
+    params = [SamplingParams(**sampling, max_tokens=r["max_tokens"], ignore_eos=True,
+                             seed=i if data.get("sampling") else None)
+              for i, r in enumerate(reqs)]
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -59,7 +62,8 @@ def main() -> None:
     generated = sum(len(t) for t in tokens)
     result = {"system": "vllm", "vllm": vllm.__version__, "mode": args.mode, "dtype": args.dtype,
               "python": platform.python_version(), "cpu_count": os.cpu_count(),
-              "workload": data["workload"], "llm_kwargs": kwargs, "setup_s": setup_s,
+              "workload": data["workload"], "sampling": data.get("sampling") or {},
+              "llm_kwargs": kwargs, "setup_s": setup_s,
               "wall_s": wall, "generated_tokens": generated, "tokens_per_s": generated / wall,
               "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
               "env": {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE",

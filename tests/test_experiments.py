@@ -325,3 +325,21 @@ def test_speculative_benchmark_compares_draft_lengths_side_by_side():
 @pytest.mark.parametrize("script", ["scripts/gpu_check.sh", "scripts/bench_vllm_cpu.sh"])
 def test_shell_scripts_parse(script):
     assert subprocess.run(["bash", "-n", os.path.join(ROOT, script)]).returncode == 0
+
+
+def test_sampled_workload_spec_parses_and_reaches_the_vllm_json(tmp_path):
+    """``workload.sampling`` ("name=value,...") becomes SamplingParams keywords, typed; a bad
+    name or value is a clear error; the workload JSON the vLLM driver reads carries them."""
+    from experiments.workloads import Request, sampling_kwargs, write_workload
+
+    assert sampling_kwargs("") == {}
+    got = sampling_kwargs("temperature=0.7, top_p=0.9,top_k=50")
+    assert got == {"temperature": 0.7, "top_p": 0.9, "top_k": 50}
+    assert isinstance(got["top_k"], int)
+    with pytest.raises(ValueError, match="temprature"):
+        sampling_kwargs("temprature=0.7")
+    with pytest.raises(ValueError, match="top_p='high'"):
+        sampling_kwargs("top_p=high")
+    path = write_workload(str(tmp_path / "w.json"), [Request((1, 2, 3), 4)], got)
+    data = json.loads(open(path).read())
+    assert data["sampling"] == got and data["requests"][0]["max_tokens"] == 4
