@@ -19,8 +19,8 @@ Commands (from the repository root; times on a 2-core CPU):
   --config.prepare_only=True                      write the workload JSON and an HF directory
                                                   for scripts/bench_vllm_cpu.sh, then stop
   --config.workload.sampling=temperature=0.7,top_p=0.9
-                                                  a sampled workload (request i seeded i) for
-                                                  llmserve and vLLM; "" (default) is greedy
+                                                  a sampled workload for llmserve and vLLM;
+                                                  "" (default) is greedy
 
 Workloads (greedy, EOS ignored; prompts cut from Python standard-library docstrings, tokenized
 with SmolLM2's tokenizer, at distinct random offsets):
@@ -82,7 +82,8 @@ def get_config(arg: str = "32") -> ml_collections.ConfigDict:
     c.workload.sigma = 0.9  # heavy: log-normal sigma (exp(2.9 sigma) * 40 ~ 500)
     c.workload.max_new_tokens = 500  # heavy: clip
     # "" greedy; else SamplingParams fields for every request, e.g. "temperature=0.7,top_p=0.9"
-    # (request i seeded i; llmserve and vLLM only: the HF baselines decode greedily).
+    # (llmserve and vLLM only: the HF baselines decode greedily; llmserve seeds request i
+    # with i, vLLM draws from its engine seed: see scripts/vllm_driver.py).
     c.workload.sampling = ""
     c.workload.min_new_tokens = 4
     c.workload.seeds = "0,1,2" if heavy else "0"  # repeat r uses seeds[r % len(seeds)]

@@ -236,8 +236,9 @@ def notes(cfg, summary_rows: dict, skipped: list[str], model_desc: str) -> list[
            "util = useful rows / computed rows (llmserve: padded up to a decode bucket); KV waste"
            " = sum over steps of (reserved - used) / reserved KV token slots"]
     if cfg.workload.sampling:
-        out.append(f"sampled workload: {cfg.workload.sampling}, request i seeded i (every system"
-                   " draws its own tokens: no output agreement)")
+        out.append(f"sampled workload: {cfg.workload.sampling}; llmserve seeds request i with i,"
+                   " vLLM draws from its engine seed (every system draws its own tokens: no "
+                   "output agreement)")
     if cfg.model:
         out.append(f"random weights ({cfg.model}): speed only, outputs are meaningless")
     single = summary_rows.get("hf_single")

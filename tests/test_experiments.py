@@ -343,3 +343,17 @@ def test_sampled_workload_spec_parses_and_reaches_the_vllm_json(tmp_path):
     path = write_workload(str(tmp_path / "w.json"), [Request((1, 2, 3), 4)], got)
     data = json.loads(open(path).read())
     assert data["sampling"] == got and data["requests"][0]["max_tokens"] == 4
+
+
+def test_sampler_benchmark_times_both_paths_and_they_agree():
+    """experiments/sampler.py's point: both builds of ``sampling.sample`` (native kernel and
+    jnp path) run, are timed, and draw the same tokens here (top-k + top-p, 4 rows of 300)."""
+    import jax
+
+    from experiments import sampler
+    from llmserve.ops import cpu_kernels
+
+    if jax.default_backend() != "cpu" or not cpu_kernels.available():
+        pytest.skip("the native sampler runs on CPU only")
+    r = sampler.point(4, 300, {"temperature": 0.7, "top_k": 20, "top_p": 0.9}, iters=2)
+    assert r["differing"] == 0 and r["draws"] == 12 and r["native"] > 0 and r["jnp"] > 0

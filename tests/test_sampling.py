@@ -550,6 +550,13 @@ def test_native_sampling_matches_the_jnp_path_and_vllm(monkeypatch, v):
     np.testing.assert_array_equal(np.isfinite(got[plain_rows]), ref[plain_rows])
     np.testing.assert_array_equal(got[[11, 17]], logits[[11, 17]])
 
+    # Signed zeros tie as floats do: top-4 of [1, 1, 0, -0, 0, -0, -1] keeps every zero.
+    row = jnp.asarray([[1.0, 1.0, 0.0, -0.0, 0.0, -0.0, -1.0]], jnp.float32)
+    _, thresh = jax.jit(cpu_kernels.sample_cpu, static_argnames="draw")(
+        row, jnp.ones(1), jnp.full(1, 4, jnp.int32), jnp.ones(1), jnp.zeros(1), jnp.zeros(1),
+        draw=False)
+    assert float(thresh[0]) == 0.0 and int((row[0] >= thresh[0]).sum()) == 6
+
     def draw(x, arrays, positions):
         return sampling.sample(x, arrays, positions).tokens
 

@@ -1701,7 +1701,8 @@ uint32_t SelectKey(const float* x, const int32_t* cand, int64_t n, double target
   return prefix;
 }
 
-// x = logits / temperature (IEEE division) into x; returns max x.
+// x = logits / temperature (IEEE division) into x, -0 as +0 (so that OrderKey orders x exactly
+// as float comparisons do); returns max x.
 float ScaleRow(const float* logits, int64_t v, float temperature, float* x) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
@@ -1709,8 +1710,8 @@ float ScaleRow(const float* logits, int64_t v, float temperature, float* x) {
   __m512 mx = _mm512_set1_ps(-kInf);
   for (int64_t i = 0; i < v; i += 16) {
     const __mmask16 live = TailMask(v - i);
-    const __m512 xi = _mm512_div_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-kInf), live,
-                                                         logits + i), t);
+    const __m512 xi = _mm512_add_ps(_mm512_div_ps(_mm512_mask_loadu_ps(
+        _mm512_set1_ps(-kInf), live, logits + i), t), _mm512_setzero_ps());
     _mm512_mask_storeu_ps(x + i, live, xi);
     mx = _mm512_max_ps(mx, xi);
   }
@@ -1718,7 +1719,7 @@ float ScaleRow(const float* logits, int64_t v, float temperature, float* x) {
 #else
   float m = -kInf;
   for (int64_t i = 0; i < v; ++i) {
-    x[i] = logits[i] / temperature;
+    x[i] = logits[i] / temperature + 0.0f;
     m = std::max(m, x[i]);
   }
   return m;
