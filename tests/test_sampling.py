@@ -527,6 +527,13 @@ def test_native_sampling_matches_the_jnp_path_and_vllm(monkeypatch, v):
     k[6:10] = [0, 0, 0, 40]
     min_p = np.where(rng.random(b) < 0.25, rng.uniform(0.01, 0.3, b), 0.0)
     p[0], min_p[0] = 1.0, 0.0
+    # One token 10 nats above a flat rest: the top-k / top-p window around the maximum holds
+    # too few tokens (k = 5) or too little mass (p = 0.9 at V = 49152), so the kernel selects
+    # over the whole row.
+    for i, (ki, pi) in ((10, (0, 0.9)), (12, (5, 1.0))):
+        logits[i] = 0.0
+        logits[i, 3] = 10.0
+        temp[i], k[i], p[i], min_p[i] = 1.0, ki, pi, 0.0
     rows = [{"temperature": float(temp[i]), "top_k": int(k[i]), "top_p": float(p[i]),
              "min_p": float(min_p[i]), "seed": 100 + i} for i in range(b)]
     for i in (11, 17):
@@ -543,10 +550,13 @@ def test_native_sampling_matches_the_jnp_path_and_vllm(monkeypatch, v):
     kept = np.isfinite(got).sum(-1)
     assert kept[7] == 1 and kept[2] == 1 and kept[6] == v and kept[sampled].min() >= 1
     assert kept[0] == (logits[0] >= np.sort(logits[0])[-5]).sum() > 5  # ties at the 5th kept
+    assert kept[12] == v and kept[10] == (v if v == 49152 else 1)  # e^-10 * 49151 > 2
     # vLLM's top-k / top-p on the scaled logits (rows without min-p).
     scaled = logits / temp[:, None].astype(np.float32)
     ref = np.isfinite(_np_top_k_top_p(scaled, k, p))
-    plain_rows = [i for i in sampled if min_p[i] == 0.0]
+    # (Row 10's top-p cut falls inside 49,151 tied logits: vLLM's sort keeps part of the tie,
+    # llmserve keeps ties together, as its top-k does.)
+    plain_rows = [i for i in sampled if min_p[i] == 0.0 and i != 10]
     np.testing.assert_array_equal(np.isfinite(got[plain_rows]), ref[plain_rows])
     np.testing.assert_array_equal(got[[11, 17]], logits[[11, 17]])
 

@@ -1566,7 +1566,9 @@ ffi::Error RowArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // 256-row step of 49,152 logits, against ~309 ms for the whole decode step. Here each row is a
 // few passes: scale by 1/temperature and take the maximum; exp(x - max); a radix selection (three
 // histograms over the order-preserving integer keys of the values, the later two over the few
-// candidates left) for each threshold; one masked pass for the two-level inverse-CDF draw.
+// candidates left; first over the tokens near the maximum, see kTopWindow) for each threshold;
+// one masked pass for the two-level inverse-CDF draw. sampling.sample at 256 rows: top-k 14 ms,
+// top-p 15 ms (python -m experiments.sampler).
 //
 // Per row (temperature <= 0: a greedy row, left alone: threshold -inf, token 0):
 //   x = logits / temperature, m = max x, e = exp(x - m);
@@ -1829,6 +1831,12 @@ float SmallestKept(const float* logits, const float* x, int64_t v, float t) {
 #endif
 }
 
+// Top-k and top-p first look at the tokens with x >= max - kTopWindow (probability >= e^-9 ~
+// 1.2e-4 of the top token's): a few hundred of SmolLM2's 49,152 on real logits, ~3% on N(0, 3)
+// noise at temperature 0.7. When fewer than k tokens, or less than the target mass, lie there,
+// the selection runs over the whole row instead.
+constexpr float kTopWindow = 9.0f;
+
 void SampleRow(const float* logits, int64_t v, float temperature, int32_t top_k, float top_p,
                float min_p, float uniform, bool draw, int32_t* token, float* threshold,
                SampleScratch& s) {
@@ -1848,9 +1856,20 @@ void SampleRow(const float* logits, int64_t v, float temperature, int32_t top_k,
     const int32_t* cand = nullptr;  // the top-k survivors (null: the whole row)
     int64_t n = v;
     if (k < v) {
-      t = KeyValue(SelectKey(x, nullptr, v, static_cast<double>(k),
-                             [](int64_t) { return 1.0; }, s));
-      GatherKeyRange(x, v, OrderKey(t), 0xFFFFFFFFu, s.cand);
+      // As for top-p: when k tokens lie within the window of the maximum, the k-th largest is
+      // one of them, and its survivors are too.
+      GatherKeyRange(x, v, OrderKey(m - kTopWindow), 0xFFFFFFFFu, s.cand);
+      const auto one = [](int64_t) { return 1.0; };
+      const int64_t near = static_cast<int64_t>(s.cand.size());
+      if (near >= k) {
+        t = KeyValue(SelectKey(x, s.cand.data(), near, static_cast<double>(k), one, s));
+        s.cand.erase(std::remove_if(s.cand.begin(), s.cand.end(),
+                                    [x, t](int32_t i) { return !(x[i] >= t); }),
+                     s.cand.end());
+      } else {
+        t = KeyValue(SelectKey(x, nullptr, v, static_cast<double>(k), one, s));
+        GatherKeyRange(x, v, OrderKey(t), 0xFFFFFFFFu, s.cand);
+      }
       cand = s.cand.data();
       n = static_cast<int64_t>(s.cand.size());
     }
@@ -1864,6 +1883,18 @@ void SampleRow(const float* logits, int64_t v, float temperature, int32_t top_k,
         mass = ExpRow(x, v, m, e);
       }
       const double target = std::max(static_cast<double>(top_p) * mass, 0.5);
+      if (!cand) {
+        // Usually the tokens within kTopWindow of the maximum already hold the target mass;
+        // then the threshold is one of theirs (every token at or above any of their values is
+        // among them), and the selection runs over them alone instead of the whole row.
+        GatherKeyRange(x, v, OrderKey(m - kTopWindow), 0xFFFFFFFFu, s.cand);
+        double near = 0.0;
+        for (const int32_t i : s.cand) near += e[i];
+        if (near >= target) {
+          cand = s.cand.data();
+          n = static_cast<int64_t>(s.cand.size());
+        }
+      }
       t = KeyValue(SelectKey(x, cand, n, target, [e](int64_t i) { return double(e[i]); }, s));
     }
   }
