@@ -68,6 +68,9 @@ class RaggedMetadata(_Pytree):
     # sequence, so its bits never depend on its part's shape or on which tokens share the
     # step. None in the default mode (parts attend as [B, t] batches).
     per_token: Optional[PartMetadata] = None  # [Nq >= N] rows, t = 1
+    # [] int32: the flat tokens [0, live_tokens) hold every real token (the rest is the step's
+    # bucket padding, which the native matmuls skip); None: every token may be real.
+    live_tokens: Optional[Array] = None
 
 
 @dataclasses.dataclass
@@ -128,6 +131,10 @@ class StepInput(_Pytree):
     num_draft: Array  # [R] int32: drafts a verify row carries (0 elsewhere)
     want_top: Array  # [R] bool: the row's request asked for top-n logprobs (else top-k skipped)
     feed: Array  # [N] int32: the slot whose last emitted token replaces this token, else -1
+    # [2] int32: (tokens, rows): flat tokens [0, live[0]) hold every real token, sampled rows
+    # [0, live[1]) every real sampled row; what follows is bucket padding (the native matmuls
+    # skip it, so a padded step costs what its real tokens do). A verify row counts whole.
+    live: Array
     per_token: Optional[PartMetadata] = None  # batch-invariant mode: one query per token
     head: Optional[HeadInput] = None  # an EAGLE head runs inside the step
     verify: bool = dataclasses.field(default=False, metadata=STATIC)  # parts[0] verifies
@@ -135,7 +142,7 @@ class StepInput(_Pytree):
     def metadata(self) -> RaggedMetadata:
         return RaggedMetadata(positions=self.positions[None], write_page=self.write_page,
                               write_offset=self.write_offset, parts=self.parts,
-                              per_token=self.per_token)
+                              per_token=self.per_token, live_tokens=self.live[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,6 +361,7 @@ class BatchBuilder:
         rows_sampling: list[dict] = [{} for _ in range(r)]
         metas = []
         off = row = 0
+        live = np.zeros(2, np.int32)  # (tokens, sampled rows) up to the last real one
         for rows, b, t, s in parts:
             if len(rows) > s:
                 raise ValueError(f"{len(rows)} rows exceed the part's {s} sampled rows")
@@ -382,6 +390,9 @@ class BatchBuilder:
                     tables[blk + j, : len(table)] = table
                 blk += nblk
                 j = row + i
+                # A verify row counts whole: a device lookup may fill drafts past its tokens.
+                live[0] = max(live[0], base + (t if verify and not metas else k))
+                live[1] = max(live[1], j + 1)
                 if verify and not metas:  # the verify part: its drafts follow the last token
                     num_draft[j] = k - 1
                 sample_index[j] = base + k - 1
@@ -412,8 +423,8 @@ class BatchBuilder:
                          sample_index=sample_index, sample_pos=sample_pos, slot_ids=slot_ids,
                          emit=emit, suppress_ids=suppress_ids, suppress_until=suppress_until,
                          sampling=SamplingArrays.from_lists(rows_sampling),
-                         num_draft=num_draft, want_top=want_top, feed=feed, head=head_input,
-                         verify=verify)
+                         num_draft=num_draft, want_top=want_top, feed=feed, live=live,
+                         head=head_input, verify=verify)
 
     def _per_token(self, metas, positions: np.ndarray, write_page: np.ndarray) -> PartMetadata:
         """Batch-invariant attention metadata: each real token is a one-token query of its

@@ -104,7 +104,7 @@ MIN_BF16_ROWS = 2
 
 
 def matmul_f32(x: Array, w: Array, transpose_w: bool = False,
-               native: bool | str = False) -> Array:
+               native: bool | str = False, live_rows: Array | None = None) -> Array:
     """x [..., D] @ w [D, F] (or w [F, D].T) -> [..., F] float32.
 
     x is cast to w's dtype; accumulation is float32 (``preferred_element_type``). A bf16 call with
@@ -117,6 +117,11 @@ def matmul_f32(x: Array, w: Array, transpose_w: bool = False,
     small row counts); ``native="always"`` skips that last test (the batch-invariant mode:
     every row count then takes the same kernel, whose rows never interact). Every other case
     stays on XLA's dot.
+
+    ``live_rows`` (an int32 scalar, traced; None = all): only the first ``live_rows`` of x's
+    flattened rows are real, the rest a step's bucket padding. The native kernels skip the
+    padding rows (their results are zeros), so the step's matmuls cost what its real tokens
+    do; XLA's dot computes every row.
     """
     lead, d = x.shape[:-1], x.shape[-1]
     rows = int(np.prod(lead, dtype=np.int64))
@@ -126,10 +131,10 @@ def matmul_f32(x: Array, w: Array, transpose_w: bool = False,
         native = cpu_kernels.native_matmul_wins(w.dtype, rows)
     if native and w.dtype == jnp.bfloat16 and cpu_kernels.matmul_bf16_supported(
             d, f, transpose_w) and cpu_kernels.has_bf16_matmul():
-        return cpu_kernels.matmul_bf16_cpu(x2, w, transpose_w).reshape(*lead, f)
+        return cpu_kernels.matmul_bf16_cpu(x2, w, transpose_w, live_rows).reshape(*lead, f)
     if native and w.dtype == jnp.float32 and cpu_kernels.matmul_f32_supported(
             d, f, transpose_w) and cpu_kernels.has_f32_matmul():
-        return cpu_kernels.matmul_f32_cpu(x2, w, transpose_w).reshape(*lead, f)
+        return cpu_kernels.matmul_f32_cpu(x2, w, transpose_w, live_rows).reshape(*lead, f)
     if w.dtype == jnp.bfloat16 and rows < MIN_BF16_ROWS:
         x2 = jnp.pad(x2, ((0, MIN_BF16_ROWS - rows), (0, 0)))
     y = lax.dot_general(x2, w, (((1,), (1 if transpose_w else 0,)), ((), ())),
@@ -150,10 +155,11 @@ class Dense(nn.Module):
     native: bool | str = False  # matmul_f32's native matmuls (the "cpu" backend, unsharded)
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, live_rows: Array | None = None) -> Array:
+        """``live_rows``: see ``matmul_f32``."""
         kernel = self.param("kernel", nn.initializers.normal(0.02),
                             (x.shape[-1], self.features), self.dtype)
-        y = matmul_f32(x, kernel, native=self.native)
+        y = matmul_f32(x, kernel, native=self.native, live_rows=live_rows)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
             y = y + bias.astype(jnp.float32)
@@ -175,9 +181,12 @@ class Embed(nn.Module):
         """tokens [B, T] -> [B, T, D] float32 (gathers rows; never converts the whole table)."""
         return jnp.take(self.embedding, tokens, axis=0).astype(jnp.float32)
 
-    def attend(self, x: Array, native: bool | str = False) -> Array:
-        """x [B, T, D] -> logits [B, T, V] float32 (tied output projection)."""
-        return matmul_f32(x, self.embedding, transpose_w=True, native=native)
+    def attend(self, x: Array, native: bool | str = False,
+               live_rows: Array | None = None) -> Array:
+        """x [B, T, D] -> logits [B, T, V] float32 (tied output projection); ``live_rows``: see
+        ``matmul_f32``."""
+        return matmul_f32(x, self.embedding, transpose_w=True, native=native,
+                          live_rows=live_rows)
 
 
 def _dense(features: int, name: str, cfg: ModelConfig, bias: bool = False,
@@ -199,16 +208,17 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         n, k, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         native = backend == "cpu" and native_matmul
-        q = _dense(n * h, "q_proj", cfg, cfg.qkv_bias, native)(x).reshape(b, t, n, h)
-        kk = _dense(k * h, "k_proj", cfg, cfg.qkv_bias, native)(x).reshape(b, t, k, h)
-        vv = _dense(k * h, "v_proj", cfg, cfg.qkv_bias, native)(x).reshape(b, t, k, h)
+        live = getattr(meta, "live_tokens", None)  # a step's real tokens (the rest: padding)
+        q = _dense(n * h, "q_proj", cfg, cfg.qkv_bias, native)(x, live).reshape(b, t, n, h)
+        kk = _dense(k * h, "k_proj", cfg, cfg.qkv_bias, native)(x, live).reshape(b, t, k, h)
+        vv = _dense(k * h, "v_proj", cfg, cfg.qkv_bias, native)(x, live).reshape(b, t, k, h)
         if rope is None:
             rope = rope_tables(meta.positions, rope_frequencies(cfg))
         # RoPE in f32; attention then reads q and the cache in the storage dtype (f32 dots).
         q = apply_rope(q, rope).astype(cfg.jnp_dtype)
         kk = apply_rope(kk, rope)
         out, cache = cache.update_and_attend(self.layer, q, kk, vv, meta, backend)  # [B,T,N,H]
-        out = _dense(cfg.d_model, "o_proj", cfg, native=native)(out.reshape(b, t, n * h))
+        out = _dense(cfg.d_model, "o_proj", cfg, native=native)(out.reshape(b, t, n * h), live)
         return out, cache
 
 
@@ -218,11 +228,14 @@ class MLP(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array, native: bool | str = False) -> Array:
+    def __call__(self, x: Array, native: bool | str = False,
+                 live_rows: Array | None = None) -> Array:
+        """``live_rows``: see ``matmul_f32``."""
         cfg = self.cfg
-        gate = _dense(cfg.ffn_dim, "gate_proj", cfg, native=native)(x)
-        up = _dense(cfg.ffn_dim, "up_proj", cfg, native=native)(x)
-        return _dense(cfg.d_model, "down_proj", cfg, native=native)(nn.silu(gate) * up)
+        gate = _dense(cfg.ffn_dim, "gate_proj", cfg, native=native)(x, live_rows)
+        up = _dense(cfg.ffn_dim, "up_proj", cfg, native=native)(x, live_rows)
+        return _dense(cfg.d_model, "down_proj", cfg, native=native)(nn.silu(gate) * up,
+                                                                     live_rows)
 
 
 class Block(nn.Module):
@@ -240,7 +253,8 @@ class Block(nn.Module):
                                                            rope)
         x = x + a
         x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="mlp_norm")(x),
-                                     backend == "cpu" and native_matmul)
+                                     backend == "cpu" and native_matmul,
+                                     getattr(meta, "live_tokens", None))
         return x, cache
 
 
@@ -259,6 +273,11 @@ class Transformer(nn.Module):
     apply and are measured faster (``matmul_f32``); "always" wherever they apply (the
     batch-invariant mode); False keeps XLA's dots (a sharded model: a custom call would gather
     its sharded weights).
+
+    ``logits_rows`` (an int32 scalar, traced): only the first ``logits_rows`` of the rows
+    ``logits_index`` picks are real (the rest a step's padding rows): the native vocabulary
+    projection skips the others (their logits are zeros). The layers' matmuls skip the flat
+    tokens past ``meta.live_tokens`` the same way (``matmul_f32``).
     """
 
     cfg: ModelConfig
@@ -266,7 +285,8 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens: Array, meta: AttentionMetadata, cache: Any,
                  backend: str = "xla", logits_index: Array | None = None,
-                 return_hidden: bool | str = False, native_matmul: bool | str = True):
+                 return_hidden: bool | str = False, native_matmul: bool | str = True,
+                 logits_rows: Array | None = None):
         cfg = self.cfg
         embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype, name="embed")
         x = embed(tokens)  # [B, T, D] float32: the residual stream stays f32
@@ -281,10 +301,11 @@ class Transformer(nn.Module):
         hidden = x
         x = RMSNorm(cfg.norm_eps, cfg.jnp_dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
-            logits = embed.attend(x, native=backend == "cpu" and native_matmul)
+            logits = embed.attend(x, native=backend == "cpu" and native_matmul,
+                                  live_rows=logits_rows)
         else:
             logits = _dense(cfg.vocab_size, "lm_head", cfg,
-                            native=backend == "cpu" and native_matmul)(x)
+                            native=backend == "cpu" and native_matmul)(x, logits_rows)
         if return_hidden:
             hidden = every if return_hidden == "all" else hidden
             return logits.astype(jnp.float32), cache, hidden.astype(jnp.float32)

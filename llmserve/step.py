@@ -98,17 +98,23 @@ def native_matmul(cache: PagedKVCache, min_rows: int, inp: StepInput, dtype) -> 
 
 def forward(params, cache: PagedKVCache, inp: StepInput, *, cfg: ModelConfig, backend: str,
             logits_index: Optional[Array] = None, min_rows: int = 1,
-            return_hidden: bool = False):
+            return_hidden: bool = False, logits_rows: Optional[Array] = None):
     """The model over a step's flat tokens -> (logits [R, V] at ``logits_index``, default
     ``sample_index``; cache). ``min_rows`` pads the vocabulary projection to at least that many
-    rows (batch-invariant mode: the matmul's numerics then never depend on R)."""
+    rows (batch-invariant mode: the matmul's numerics then never depend on R).
+    ``logits_rows``: how many leading rows of ``logits_index`` are real (the native vocabulary
+    projection skips the rest; their logits are zeros); default: the step's live sampled rows
+    when ``logits_index`` is None, else every row."""
+    if logits_index is None and logits_rows is None:
+        logits_rows = inp.live[1]
     index = inp.sample_index if logits_index is None else logits_index
     r = index.shape[0]
     index = jnp.pad(index, (0, max(0, min_rows - r)))
     out = Transformer(cfg).apply({"params": params}, inp.tokens[None], inp.metadata(), cache,
                                  backend=backend, logits_index=index[None],
                                  return_hidden="all" if return_hidden else False,
-                                 native_matmul=native_matmul(cache, min_rows, inp, cfg.dtype))
+                                 native_matmul=native_matmul(cache, min_rows, inp, cfg.dtype),
+                                 logits_rows=logits_rows)
     logits, cache = out[:2]
     if cache.shardings is not None:  # vocab-split logits: gathered once, sampled locally
         logits = cache.shardings.gather_logits(logits, cfg.vocab_size)
@@ -196,9 +202,11 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         index = jnp.arange(bv * w, dtype=jnp.int32)
         if r > bv:
             index = jnp.concatenate([index, inp.sample_index[bv:]])
+        # A verify-only step's logits rows are its flat tokens: the live ones come first.
         logits, cache, *hidden = forward(params, cache, inp, cfg=cfg, backend=backend,
                                          logits_index=index, min_rows=min_rows,
-                                         return_hidden=eagle is not None)
+                                         return_hidden=eagle is not None,
+                                         logits_rows=inp.live[0] if r == bv else None)
         v = logits.shape[-1]
         head = lambda x: jax.tree_util.tree_map(lambda a: a[:bv], x)  # noqa: E731
         tail = lambda x: jax.tree_util.tree_map(lambda a: a[bv:], x)  # noqa: E731

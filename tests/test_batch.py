@@ -59,6 +59,30 @@ def test_every_prepared_shape_is_compiled():
         b.decode_bucket(9)
 
 
+def test_live_counts_end_at_the_last_real_token_and_row():
+    """``StepInput.live`` = (tokens, rows): every real token sits before live[0] and every real
+    sampled row before live[1] (the native matmuls skip what follows); a verify row counts
+    whole (a device lookup may fill drafts past its tokens); all padding gives (0, 0)."""
+    b = _builder()
+    for n_dec in range(0, 9):
+        for n_pre, chunk in [(0, 0), (1, 5), (2, 12)]:
+            for verify in (False, True):
+                dec = [_row(10, [1, 2][: 2 if verify else 1], [1, 2, 3, 4], i)
+                       for i in range(n_dec)]
+                pre = [_row(0, list(range(chunk)), [5, 6, 7, 8], 8 - i) for i in range(n_pre)]
+                if not dec and not pre:
+                    continue
+                batch = b.prepare(dec, pre, verify=verify)
+                tok, rows = (int(v) for v in batch.live)
+                real = np.flatnonzero(batch.write_page != DUMMY_PAGE)
+                # The last verify row holds 2 tokens in a part 3 wide: one more counts.
+                whole_row = 1 if verify and n_dec and not pre else 0
+                assert tok == real.max() + 1 + whole_row, (n_dec, n_pre, verify)
+                assert rows == np.flatnonzero(batch.emit).max() + 1  # padding rows never emit
+    assert list(b.prepare([_row(3, [4], [1], 0), _row(5, [6], [2, 3], 1)]).live) == [2, 2]
+    assert list(b.empty_batch((8, (2, 16), 1)).live) == [0, 0]
+
+
 def test_tokens_land_where_their_block_tables_say():
     """Each real token's position, page and offset follow its row's block table; padding
     writes to the dummy page; each row samples from its last real token."""

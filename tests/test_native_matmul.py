@@ -92,6 +92,26 @@ def test_each_row_is_bitwise_the_same_alone_and_in_a_batch(transpose_w, dtype, n
 
 
 @needs_matmul
+@needs_f32
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_live_rows_are_computed_and_padding_rows_are_zeros(transpose_w, dtype):
+    """``live_rows`` (a traced scalar: one program for every value): the first rows are exactly
+    the full call's rows, the rest zeros; out-of-range values clamp to [0, M]."""
+    m = 37
+    x, w = _inputs(m, 576, 320, transpose_w, seed=4, dtype=dtype)
+    fn = cpa.matmul_bf16_cpu if dtype == jnp.bfloat16 else cpa.matmul_f32_cpu
+    f = jax.jit(lambda a, b, live: fn(a, b, transpose_w, live))
+    full = np.asarray(jax.jit(fn, static_argnums=2)(x, w, transpose_w))
+    for live in (37, 36, 19, 6, 5, 1, 0, 40, -3):
+        out = np.asarray(f(x, w, jnp.int32(live)))
+        keep = min(max(live, 0), m)
+        np.testing.assert_array_equal(out[:keep], full[:keep])
+        assert not out[keep:].any(), live
+    assert f._cache_size() == 1  # the live count is an operand, never a new shape
+
+
+@needs_matmul
 def test_gradient_is_the_plain_dot_gradient():
     x, w = _inputs(5, 64, 96, False, seed=2)
     loss = lambda f: lambda a, b: jnp.sum(f(a, b, False) ** 2)  # noqa: E731
@@ -210,6 +230,32 @@ def test_cpu_feature_readers_read_the_flags(tmp_path, reader, flags):
     info.write_text(f"flags : {flags[1]}\n")
     assert not read(str(info))
     assert not read(str(tmp_path / "missing"))
+
+
+@needs_matmul
+def test_a_step_skips_its_padding_rows_in_the_native_matmuls(monkeypatch):
+    """A decode step of 3 sequences in an 8-row bucket: the real rows' logits are bitwise those
+    of the same step with every row counted live, and the padding rows' logits are zeros (the
+    layers and the vocabulary projection skipped them) where the full step computed them."""
+    from llmserve.batch import BatchBuilder, ScheduledRow
+    from llmserve.kv_cache import PagedKVCache
+    from llmserve.step import forward
+
+    monkeypatch.setenv("LLMSERVE_NATIVE_MATMUL", "1")
+    cfg = preset("tiny-gqa").replace(dtype="bfloat16")
+    params = init_params(cfg)
+    builder = BatchBuilder(vocab_size=cfg.vocab_size, page_size=4, pages_per_seq=4, max_slots=8,
+                           decode_buckets=[8], prefill_buckets=[(1, 8)])
+    rows = [ScheduledRow(tokens=[5 + i], start=3, block_table=[1 + i], slot=i, emit=True,
+                         sampling={}) for i in range(3)]
+    batch = jax.tree_util.tree_map(jnp.asarray, builder.prepare(rows))
+    cache = PagedKVCache.create(cfg, 8, 4)
+    run = jax.jit(lambda p, c, b: forward(p, c, b, cfg=cfg, backend="cpu")[0])
+    live = np.asarray(run(params, cache, batch))
+    full = np.asarray(run(params, cache, batch.replace(live=jnp.asarray([8, 8], jnp.int32))))
+    assert live.shape == (8, cfg.vocab_size)
+    np.testing.assert_array_equal(live[:3], full[:3])
+    assert not live[3:].any() and full[3:].any()
 
 
 def test_a_step_takes_one_matmul_kernel_chosen_by_its_sequences(monkeypatch):

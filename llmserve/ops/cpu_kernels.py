@@ -244,20 +244,36 @@ def matmul_bf16_supported(k: int, n: int, transpose_w: bool) -> bool:
     return k % 32 == 0 and n % (4 if transpose_w else 32) == 0 and k > 0 and n > 0
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def matmul_bf16_cpu(x: Array, w: Array, transpose_w: bool = False) -> Array:
+def matmul_bf16_cpu(x: Array, w: Array, transpose_w: bool = False,
+                    live_rows: Optional[Array] = None) -> Array:
     """x [M, K] bf16 @ w [K, N] (or w [N, K].T when ``transpose_w``) bf16 -> [M, N] float32,
     accumulated in float32 (vdpbf16ps: each bf16 product exact). Every row's arithmetic is
     independent of the other rows. CPU with AVX512_BF16 or AVX2 + FMA (``has_bf16_matmul``); the
-    derivative is the plain jnp one (for training code that reaches it)."""
-    return _native_matmul(x, w, transpose_w, "bf16", jnp.bfloat16, 32, 32, has_bf16_matmul,
+    derivative is the plain jnp one (for training code that reaches it).
+
+    ``live_rows`` (an int32 scalar, traced): only x's first ``live_rows`` rows are real (a
+    step's bucket padding follows them); the kernel computes those and returns zeros for the
+    rest, so a padded step costs what its real rows do. None: every row."""
+    return _matmul_bf16(x, w, _live(x, live_rows), transpose_w)
+
+
+def _live(x: Array, live_rows: Optional[Array]) -> Array:
+    """The live-row operand of the native matmuls: an int32 scalar (all of x's rows when None)."""
+    if live_rows is None:
+        return jnp.asarray(x.shape[0], jnp.int32)
+    return jnp.asarray(live_rows, jnp.int32).reshape(())
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _matmul_bf16(x: Array, w: Array, live: Array, transpose_w: bool) -> Array:
+    return _native_matmul(x, w, live, transpose_w, "bf16", jnp.bfloat16, 32, 32, has_bf16_matmul,
                           "llmserve_matmul_bf16_cpu")
 
 
-def _native_matmul(x: Array, w: Array, transpose_w: bool, name: str, dtype, k_mult: int,
-                   n_mult: int, usable, target: str) -> Array:
+def _native_matmul(x: Array, w: Array, live: Array, transpose_w: bool, name: str, dtype,
+                   k_mult: int, n_mult: int, usable, target: str) -> Array:
     """The shared checks and FFI call of the native matmuls (K % k_mult; N % n_mult for [K, N],
-    N % 4 for the transposed [N, K])."""
+    N % 4 for the transposed [N, K]); ``live``: see ``matmul_bf16_cpu``."""
     if x.ndim != 2 or w.ndim != 2 or x.dtype != dtype or w.dtype != dtype:
         raise ValueError(f"want {name} x [M, K] and w 2-D, got x {x.dtype}{x.shape}, "
                          f"w {w.dtype}{w.shape}")
@@ -271,7 +287,7 @@ def _native_matmul(x: Array, w: Array, transpose_w: bool, name: str, dtype, k_mu
         raise NativeBuildError(f"this CPU (or build) has no native {name} matmul")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    return call(x, w, transpose_w=bool(transpose_w))
+    return call(x, w, live, transpose_w=bool(transpose_w))
 
 
 def matmul_bf16_reference(x: Array, w: Array, transpose_w: bool = False) -> Array:
@@ -293,31 +309,32 @@ def matmul_f32_supported(k: int, n: int, transpose_w: bool) -> bool:
     return k % 16 == 0 and n % (4 if transpose_w else 16) == 0 and k > 0 and n > 0
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def matmul_f32_cpu(x: Array, w: Array, transpose_w: bool = False) -> Array:
+def matmul_f32_cpu(x: Array, w: Array, transpose_w: bool = False,
+                   live_rows: Optional[Array] = None) -> Array:
     """x [M, K] f32 @ w [K, N] (or w [N, K].T) f32 -> [M, N] f32: FMA in k order, every row
     independent of the others. CPU with AVX-512F or AVX2 + FMA (``has_f32_matmul``); the
-    derivative is the plain jnp one."""
-    return _native_matmul(x, w, transpose_w, "float32", jnp.float32, 16, 16, has_f32_matmul,
-                          "llmserve_matmul_f32_cpu")
+    derivative is the plain jnp one. ``live_rows``: as in ``matmul_bf16_cpu``."""
+    return _matmul_f32(x, w, _live(x, live_rows), transpose_w)
 
 
-@matmul_f32_cpu.defjvp
-def _matmul_f32_cpu_jvp(transpose_w, primals, tangents):
-    x, w = primals
-    dx, dw = tangents
-    y = matmul_f32_cpu(x, w, transpose_w)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _matmul_f32(x: Array, w: Array, live: Array, transpose_w: bool) -> Array:
+    return _native_matmul(x, w, live, transpose_w, "float32", jnp.float32, 16, 16,
+                          has_f32_matmul, "llmserve_matmul_f32_cpu")
+
+
+def _native_matmul_jvp(fn, transpose_w, primals, tangents):
+    """Both native matmuls' derivative: XLA's dot (padding rows included; training passes every
+    row as live)."""
+    x, w, live = primals
+    dx, dw, _ = tangents
+    y = fn(x, w, live, transpose_w)
     return y, (matmul_bf16_reference(dx, w, transpose_w)
                + matmul_bf16_reference(x, dw, transpose_w))
 
 
-@matmul_bf16_cpu.defjvp
-def _matmul_bf16_cpu_jvp(transpose_w, primals, tangents):
-    x, w = primals
-    dx, dw = tangents
-    y = matmul_bf16_cpu(x, w, transpose_w)
-    dy = (matmul_bf16_reference(dx, w, transpose_w) + matmul_bf16_reference(x, dw, transpose_w))
-    return y, dy
+_matmul_f32.defjvp(functools.partial(_native_matmul_jvp, _matmul_f32))
+_matmul_bf16.defjvp(functools.partial(_native_matmul_jvp, _matmul_bf16))
 
 
 def available() -> bool:

@@ -878,6 +878,26 @@ LLMSERVE_INLINE void PrefetchNKTile(const T* w, int64_t row, int64_t k_dim, int6
     __builtin_prefetch(w + (row + j) * k_dim + k0, 0, 3);
 }
 
+// A step's rows past its real tokens (its bucket's padding) cost nothing in the matmuls: ``live``
+// (an int32 scalar) says how many leading rows of x are real; the rest of out is zeros, so a
+// padding row's value never depends on what the step's buffers held before. Why: a decode batch
+// draining from 256 rows pads to the next bucket (129 -> 192), ~15% more rows than it runs on
+// the 256-request workload, and those rows cost what real ones do.
+// Returns the live count; when it is 0, out [rows, n] is already all zeros.
+inline int64_t LiveRows(const ffi::Buffer<ffi::S32>& live, int64_t rows, int64_t n, float* out) {
+  const int64_t m = live.element_count() < 1
+                        ? rows : std::min<int64_t>(std::max<int64_t>(live.typed_data()[0], 0), rows);
+  if (m == 0) std::memset(out, 0, static_cast<size_t>(rows * n) * sizeof(float));
+  return m;
+}
+
+// Zeros columns [n0, n1) of out's rows [live, rows) (out [rows, n] float32).
+inline void ZeroPaddingRows(float* out, int64_t live, int64_t rows, int64_t n, int64_t n0,
+                            int64_t n1) {
+  for (int64_t m = live; m < rows; ++m)
+    std::memset(out + m * n + n0, 0, static_cast<size_t>(n1 - n0) * sizeof(float));
+}
+
 // ---- bf16 matmul with float32 accumulation (AVX512_BF16): x [M, K] @ w -> out [M, N] f32 ----
 //
 // Why: XLA:CPU's bf16 dots (XNNPACK) run SmolLM2's decode-step matmuls at about a third of this
@@ -1247,7 +1267,8 @@ void MatmulAvx2(ffi::ThreadPool& pool, const float* xp, int64_t m_dim, int64_t k
 // Shapes: K % 32 == 0; N % 32 == 0 ([K, N]) or N % 4 == 0 ([N, K]). The Python side checks them
 // (and LlmserveHasBf16Matmul) before it calls.
 ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                          bool transpose_w, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                          ffi::Buffer<ffi::S32> live, bool transpose_w,
+                          ffi::Result<ffi::Buffer<ffi::F32>> out) {
 #if defined(__AVX512BF16__) || defined(LLMSERVE_AVX2_MATMUL)
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
@@ -1255,22 +1276,25 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16) {
     return ffi::Error::InvalidArgument("x and w must be bf16");
   }
-  const int64_t m_dim = xd[0], k_dim = xd[1];
+  const int64_t rows = xd[0], k_dim = xd[1];
   const int64_t n = transpose_w ? wd[0] : wd[1];
   if ((transpose_w ? wd[1] : wd[0]) != k_dim || k_dim % 32 != 0 ||
       n % (transpose_w ? 4 : 32) != 0) {
     return ffi::Error::InvalidArgument("matmul shapes: K % 32, N % 32 ([K,N]) or N % 4 ([N,K])");
   }
-  if (m_dim == 0 || n == 0) return ffi::Error::Success();
+  if (rows == 0 || n == 0) return ffi::Error::Success();
+  float* op = out->typed_data();
+  const int64_t m_dim = LiveRows(live, rows, n, op);  // rows [m_dim, rows): padding, zeros
+  if (m_dim == 0) return ffi::Error::Success();
 #if defined(__AVX512BF16__)
   const uint16_t* xp = static_cast<const uint16_t*>(x.untyped_data());
   const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());
-  float* op = out->typed_data();
   constexpr int64_t kBlock = kNKBlock;  // columns per work item (both layouts)
   const int64_t items = (n + kBlock - 1) / kBlock;
   const int64_t min_items = MatmulMinItems(m_dim, k_dim, kBlock);
   ParallelFor(pool, items, min_items, [=](int64_t item) {
     const int64_t n0 = item * kBlock, n1 = std::min(n, n0 + kBlock);
+    ZeroPaddingRows(op, m_dim, rows, n, n0, n1);
     if (transpose_w) {
       GemmNKRows(xp, m_dim, k_dim, wp, n, n0, n1, op);
     } else if (n1 - n0 == 64) {
@@ -1285,11 +1309,12 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   std::vector<float> xf(static_cast<size_t>(m_dim * k_dim));
   for (int64_t i = 0; i < m_dim * k_dim; ++i) xf[i] = Bf16ToF32(xh[i]);
   MatmulAvx2<uint16_t>(pool, xf.data(), m_dim, k_dim, static_cast<const uint16_t*>(w.untyped_data()),
-                       n, transpose_w, out->typed_data());
+                       n, transpose_w, op);
+  ZeroPaddingRows(op, m_dim, rows, n, 0, n);
 #endif
   return ffi::Error::Success();
 #else
-  (void)pool; (void)x; (void)w; (void)transpose_w; (void)out;
+  (void)pool; (void)x; (void)w; (void)live; (void)transpose_w; (void)out;
   return ffi::Error::InvalidArgument("this build has no bf16 matmul (AVX512_BF16 or AVX2)");
 #endif
 }
@@ -1387,27 +1412,31 @@ inline void GemmNKRowsF32(const float* x, int64_t m_dim, int64_t k_dim, const fl
 // x [M, K] f32, w [K, N] (transpose_w = false) or [N, K] (true) f32 -> out [M, N] f32.
 // Shapes: K % 16 == 0; N % 16 == 0 ([K, N]) or N % 4 == 0 ([N, K]); checked in Python too.
 ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                         bool transpose_w, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                         ffi::Buffer<ffi::S32> live, bool transpose_w,
+                         ffi::Result<ffi::Buffer<ffi::F32>> out) {
 #if defined(__AVX512F__) || defined(LLMSERVE_AVX2_MATMUL)
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("want x [M,K], w 2-D");
-  const int64_t m_dim = xd[0], k_dim = xd[1];
+  const int64_t rows = xd[0], k_dim = xd[1];
   const int64_t n = transpose_w ? wd[0] : wd[1];
   if ((transpose_w ? wd[1] : wd[0]) != k_dim || k_dim % 16 != 0 ||
       n % (transpose_w ? 4 : 16) != 0) {
     return ffi::Error::InvalidArgument("matmul shapes: K % 16, N % 16 ([K,N]) or N % 4 ([N,K])");
   }
-  if (m_dim == 0 || n == 0) return ffi::Error::Success();
+  if (rows == 0 || n == 0) return ffi::Error::Success();
+  float* op = out->typed_data();
+  const int64_t m_dim = LiveRows(live, rows, n, op);  // rows [m_dim, rows): padding, zeros
+  if (m_dim == 0) return ffi::Error::Success();
 #if defined(__AVX512F__)
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
-  float* op = out->typed_data();
   constexpr int64_t kBlock = 64;
   const int64_t items = (n + kBlock - 1) / kBlock;
   const int64_t min_items = MatmulMinItems(m_dim, k_dim, kBlock);
   ParallelFor(pool, items, min_items, [=](int64_t item) {
     const int64_t n0 = item * kBlock, n1 = std::min(n, n0 + kBlock);
+    ZeroPaddingRows(op, m_dim, rows, n, n0, n1);
     if (transpose_w) {
       GemmNKRowsF32(xp, m_dim, k_dim, wp, n, n0, n1, op);
       return;
@@ -1420,12 +1449,12 @@ ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     }
   });
 #else
-  MatmulAvx2<float>(pool, x.typed_data(), m_dim, k_dim, w.typed_data(), n, transpose_w,
-                    out->typed_data());
+  MatmulAvx2<float>(pool, x.typed_data(), m_dim, k_dim, w.typed_data(), n, transpose_w, op);
+  ZeroPaddingRows(op, m_dim, rows, n, 0, n);
 #endif
   return ffi::Error::Success();
 #else
-  (void)pool; (void)x; (void)w; (void)transpose_w; (void)out;
+  (void)pool; (void)x; (void)w; (void)live; (void)transpose_w; (void)out;
   return ffi::Error::InvalidArgument("this build has no float32 matmul (AVX-512F or AVX2)");
 #endif
 }
@@ -2018,6 +2047,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmserveMatmulBf16, MatmulBf16Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] bf16
                                   .Arg<ffi::AnyBuffer>()  // w [K, N] or [N, K] bf16
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live rows []
                                   .Attr<bool>("transpose_w")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
 
@@ -2026,6 +2056,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmserveMatmulF32, MatmulF32Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N] or [N, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live rows []
                                   .Attr<bool>("transpose_w")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
 
