@@ -369,6 +369,7 @@ class BatchBuilder:
             lengths = np.zeros(b, np.int32)
             tables = np.full((b, m), DUMMY_PAGE, np.int32)
             blk = 0  # the part's next free row
+            verify_part = verify and not metas  # each row: its last token, then its drafts
             for i, spec in enumerate(rows):
                 k = len(spec.tokens)
                 nblk = -(-max(k, 1) // t)
@@ -391,9 +392,9 @@ class BatchBuilder:
                 blk += nblk
                 j = row + i
                 # A verify row counts whole: a device lookup may fill drafts past its tokens.
-                live[0] = max(live[0], base + (t if verify and not metas else k))
+                live[0] = max(live[0], base + (t if verify_part else k))
                 live[1] = max(live[1], j + 1)
-                if verify and not metas:  # the verify part: its drafts follow the last token
+                if verify_part:
                     num_draft[j] = k - 1
                 sample_index[j] = base + k - 1
                 sample_pos[j] = spec.start + k

@@ -883,12 +883,10 @@ LLMSERVE_INLINE void PrefetchNKTile(const T* w, int64_t row, int64_t k_dim, int6
 // padding row's value never depends on what the step's buffers held before. Why: a decode batch
 // draining from 256 rows pads to the next bucket (129 -> 192), ~15% more rows than it runs on
 // the 256-request workload, and those rows cost what real ones do.
-// Returns the live count; when it is 0, out [rows, n] is already all zeros.
-inline int64_t LiveRows(const ffi::Buffer<ffi::S32>& live, int64_t rows, int64_t n, float* out) {
-  const int64_t m = live.element_count() < 1
-                        ? rows : std::min<int64_t>(std::max<int64_t>(live.typed_data()[0], 0), rows);
-  if (m == 0) std::memset(out, 0, static_cast<size_t>(rows * n) * sizeof(float));
-  return m;
+// Every tile loop below runs zero times for 0 live rows (ZeroPaddingRows then zeros all of out).
+inline int64_t LiveRows(const ffi::Buffer<ffi::S32>& live, int64_t rows) {
+  if (live.element_count() < 1) return rows;
+  return std::min<int64_t>(std::max<int64_t>(live.typed_data()[0], 0), rows);
 }
 
 // Zeros columns [n0, n1) of out's rows [live, rows) (out [rows, n] float32).
@@ -1284,8 +1282,7 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   }
   if (rows == 0 || n == 0) return ffi::Error::Success();
   float* op = out->typed_data();
-  const int64_t m_dim = LiveRows(live, rows, n, op);  // rows [m_dim, rows): padding, zeros
-  if (m_dim == 0) return ffi::Error::Success();
+  const int64_t m_dim = LiveRows(live, rows);  // rows [m_dim, rows): padding, zeros
 #if defined(__AVX512BF16__)
   const uint16_t* xp = static_cast<const uint16_t*>(x.untyped_data());
   const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());
@@ -1426,8 +1423,7 @@ ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   }
   if (rows == 0 || n == 0) return ffi::Error::Success();
   float* op = out->typed_data();
-  const int64_t m_dim = LiveRows(live, rows, n, op);  // rows [m_dim, rows): padding, zeros
-  if (m_dim == 0) return ffi::Error::Success();
+  const int64_t m_dim = LiveRows(live, rows);  // rows [m_dim, rows): padding, zeros
 #if defined(__AVX512F__)
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
