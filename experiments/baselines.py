@@ -10,6 +10,8 @@ import subprocess
 import time
 from typing import Optional
 
+from llmserve import host_memory
+
 try:
     from experiments.workloads import Request, warmup_prompts
 except ImportError:  # run as a script
@@ -148,7 +150,8 @@ def run_hf_batch(cfg, model, workload: list[Request]) -> dict:
 def run_vllm(cfg, workload_path: str, model_dir: str, mode: str, out_path: str) -> dict:
     """One vLLM run in a fresh process of its own venv (scripts/vllm_driver.py)."""
     python = os.path.join(cfg.vllm.venv, "bin", "python")
-    env = dict(os.environ)
+    # vLLM runs as it ships: without the huge-page tunable llmserve's own re-exec added.
+    env = host_memory.launch_environ()
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 2) - 1}")
     cmd = [python, VLLM_DRIVER, "--workload", workload_path, "--model", model_dir,

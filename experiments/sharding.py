@@ -179,4 +179,7 @@ def _ops(step: dict) -> str:
 
 
 if __name__ == "__main__":
+    from llmserve.host_memory import reexec_with_hugepages
+
+    reexec_with_hugepages()  # first: glibc reads its huge-page tunable only at process start
     app.run(main)

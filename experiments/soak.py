@@ -88,4 +88,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    from llmserve.host_memory import reexec_with_hugepages
+
+    reexec_with_hugepages()  # first: glibc reads its huge-page tunable only at process start
     app.run(main)

@@ -1,6 +1,6 @@
 """``python -m llmserve``: the ``llmserve`` command (see ``llmserve.cli``)."""
 
-from llmserve.cli import main
+from llmserve.cli import entry
 
 if __name__ == "__main__":
-    main()
+    entry()

@@ -183,6 +183,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         _run(chat_main, rest, sys.modules[__name__])
 
 
+def entry() -> None:
+    """The ``llmserve`` command: first re-executes itself with glibc's huge-page tunable when
+    that helps (``llmserve.host_memory.reexec_with_hugepages``), then ``main``."""
+    from llmserve.host_memory import reexec_with_hugepages
+
+    reexec_with_hugepages()
+    main()
+
+
 def _run(fn, argv: list[str], module) -> None:
     """app.run, but ``--help`` lists the subcommand's own flags (not absl's and jax's)."""
     if "--help" in argv or "-h" in argv:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llmserve import host_memory
 from llmserve.batch import (  # noqa: F401  (re-exported: the runner's host-batch names)
     MAX_SUPPRESS_IDS,
     BatchBuilder,
@@ -97,6 +98,8 @@ class Runner:
         self.ngram = None if ngram is None else (int(ngram[0]), int(ngram[1]),
                                                   int(max_model_len), int(page_size))
         self._history_len = self.pages_per_seq * page_size if ngram is not None else 1
+        if jax.default_backend() == "cpu":
+            host_memory.log_hugepage_hint_once()
         if shardings is None:
             self.params = jax.tree_util.tree_map(jnp.asarray, params)
             self.cache = PagedKVCache.create(cfg, num_pages, page_size)

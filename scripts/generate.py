@@ -10,6 +10,8 @@ The same as ``llmserve generate`` (llmserve/cli.py).
 import sys
 
 from llmserve.cli import main
+from llmserve.host_memory import reexec_with_hugepages
 
 if __name__ == "__main__":
+    reexec_with_hugepages()  # first: glibc reads its huge-page tunable only at process start
     main([sys.argv[0], "generate", *sys.argv[1:]])
