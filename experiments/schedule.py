@@ -87,7 +87,8 @@ def step_times(llm, iters: int = 3, context: int = 0) -> dict:
 
     Decode rows attend over ``context`` keys each, on distinct pages (the workload's mean
     context: attention is part of a real step's cost; all-padding rows would attend to
-    nothing and make the "ideal" schedule too cheap). Prefill steps are all padding.
+    nothing and make the "ideal" schedule too cheap). Prefill steps are all padding; every
+    padding row is computed (``empty_batch(full=True)``), as a real row would be.
     Reads the runner's bucket lists; returns {} when the runner does not expose them.
     """
     import jax
@@ -98,7 +99,7 @@ def step_times(llm, iters: int = 3, context: int = 0) -> dict:
         return {}
 
     def timed(shape):
-        batch = runner.empty_batch(shape)
+        batch = runner.empty_batch(shape, full=True)  # every row computed, as real ones are
         if shape[1] is None and context > 0:
             batch = with_context(batch, context, runner.cache.num_pages, runner.cache.page_size)
         out = []

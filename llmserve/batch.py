@@ -322,12 +322,18 @@ class BatchBuilder:
             parts.append((prefill, b, c, self.prefill_seqs(b)))
         return self.build(parts, verify=verify and bool(decode), head_drafts=head_drafts)
 
-    def empty_batch(self, shape: tuple) -> StepInput:
-        """A batch of the given ``step_shapes()`` entry with every row padding (warm-up)."""
+    def empty_batch(self, shape: tuple, full: bool = False) -> StepInput:
+        """A batch of the given ``step_shapes()`` entry with every row padding (warm-up).
+        ``full``: every padding token and row counts as live, so the step costs what a full
+        bucket of real rows does (for timing it; by default the native matmuls skip them)."""
         d, p, w = shape if len(shape) == 3 else (*shape, 1)
         parts = (([([], d, w, d)] if d else [])
                  + ([([], p[0], p[1], self.prefill_seqs(p[0]))] if p else []))
-        return self.build(parts, verify=w > 1)
+        batch = self.build(parts, verify=w > 1)
+        if full:
+            batch = batch.replace(live=np.array([batch.tokens.shape[0],
+                                                 batch.sample_index.shape[0]], np.int32))
+        return batch
 
     def build(self, parts, verify: bool = False, head_drafts: bool = True) -> StepInput:
         """The host batch for ``parts`` = [(rows, bucket rows B, tokens per row t, sampled

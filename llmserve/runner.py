@@ -208,9 +208,9 @@ class Runner:
         """See ``BatchBuilder.prepare``."""
         return self.batches.prepare(decode, prefill, verify, head_drafts)
 
-    def empty_batch(self, shape: tuple) -> StepInput:
+    def empty_batch(self, shape: tuple, full: bool = False) -> StepInput:
         """See ``BatchBuilder.empty_batch``."""
-        return self.batches.empty_batch(shape)
+        return self.batches.empty_batch(shape, full)
 
     def build(self, parts, verify: bool = False, head_drafts: bool = True) -> StepInput:
         """See ``BatchBuilder.build``."""

@@ -81,6 +81,10 @@ def test_live_counts_end_at_the_last_real_token_and_row():
                 assert rows == np.flatnonzero(batch.emit).max() + 1  # padding rows never emit
     assert list(b.prepare([_row(3, [4], [1], 0), _row(5, [6], [2, 3], 1)]).live) == [2, 2]
     assert list(b.empty_batch((8, (2, 16), 1)).live) == [0, 0]
+    # A timing batch (``full``) computes every padding token and row, as real ones would be:
+    # 8 decode tokens + 2 x 16 prefill tokens, 8 + 2 sampled rows; 4 verify rows of 3 tokens.
+    assert list(b.empty_batch((8, (2, 16), 1), full=True).live) == [8 + 32, 8 + 2]
+    assert list(b.empty_batch((4, None, 3), full=True).live) == [12, 4]
 
 
 def test_tokens_land_where_their_block_tables_say():

@@ -256,6 +256,13 @@ def test_a_step_skips_its_padding_rows_in_the_native_matmuls(monkeypatch):
     assert live.shape == (8, cfg.vocab_size)
     np.testing.assert_array_equal(live[:3], full[:3])
     assert not live[3:].any() and full[3:].any()
+    # The timing batch (what the ideal schedule and the never-slower policy time) is computed
+    # whole: every padding row's logits come out, as the full step's did.
+    def padding_logits(full):
+        batch = jax.tree_util.tree_map(jnp.asarray, builder.empty_batch((8, None), full=full))
+        return np.abs(np.asarray(run(params, cache, batch))).sum(axis=-1)
+
+    assert (padding_logits(True) > 0).all() and not padding_logits(False).any()
 
 
 def test_a_step_takes_one_matmul_kernel_chosen_by_its_sequences(monkeypatch):

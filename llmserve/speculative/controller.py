@@ -151,7 +151,7 @@ class SpeculationController:
             d, p, w = shape
             if p is not None or d == 0:
                 continue
-            batch = self.runner.empty_batch(shape)
+            batch = self.runner.empty_batch(shape, full=True)  # a full bucket's cost
             for attempt in range(2):  # the first run may still allocate; the second is timed
                 t0 = time.perf_counter()
                 drafts, probs = self.proposer.drafts([], batch) if w > 1 else (None, None)
