@@ -27,6 +27,8 @@ from typing import Callable, Optional
 from absl import app, logging
 from ml_collections import config_flags
 
+from llmserve import host_memory
+
 try:
     from experiments import common
     from experiments.baselines import (
@@ -233,8 +235,12 @@ def notes(cfg, summary_rows: dict, skipped: list[str], model_desc: str) -> list[
            f"repeats (workload seeds {cfg.workload.seeds}); torch threads = {cfg.torch_threads}, "
            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; {os.cpu_count()} CPU cores",
            "mean batch = unfinished requests per step; slot occupancy = mean batch / slots; row "
-           "util = useful rows / computed rows (llmserve: padded up to a decode bucket); KV waste"
-           " = sum over steps of (reserved - used) / reserved KV token slots"]
+           "util = useful rows / bucket rows (llmserve pads up to a decode bucket; padding rows "
+           "skip the weight matmuls, not attention, norms or the sampler); KV waste"
+           " = sum over steps of (reserved - used) / reserved KV token slots",
+           "glibc malloc with transparent huge pages (llmserve/host_memory.py): "
+           + ("on in this process; vLLM runs without them, as it ships"
+              if host_memory.hugepages_active() else "off")]
     if cfg.workload.sampling:
         out.append(f"sampled workload: {cfg.workload.sampling}; llmserve seeds request i with i,"
                    " vLLM draws from its engine seed (every system draws its own tokens: no "
