@@ -24,7 +24,8 @@ needs_f32 = pytest.mark.skipif(not cpa.has_f32_matmul(), reason="no native float
 # float32 shapes: K % 16, N % 16 ([K, N]; 16/32/48-column tails) or N % 4 ([N, K]).
 F32_SHAPES = [(1, 576, 576, False), (7, 48, 80, False), (13, 1536, 576, False),
               (10, 576, 192, False), (12, 32, 112, False), (20, 64, 48, False),
-              (32, 64, 112, False), (5, 576, 1028, True), (9, 16, 8, True)]
+              (32, 64, 112, False), (5, 576, 1028, True), (9, 16, 8, True),
+              (100, 576, 192, False), (256, 1536, 576, False), (100, 576, 192, True)]
 
 # (M, K, N, transpose_w): row counts around the kernel's 6-row (4-row transposed) tiles, the
 # 7-24-row calls of a verify step or small batch, the transposed kernel's balanced 5-6-row
@@ -34,6 +35,8 @@ SHAPES = [
     (13, 64, 96, False), (130, 96, 160, False), (10, 576, 192, False), (12, 64, 96, False),
     (1, 576, 4100, True), (4, 64, 256, True), (9, 576, 1028, True), (33, 128, 68, True),
     (5, 576, 4100, True), (11, 64, 256, True), (12, 576, 1028, True),
+    # 3 and 9 column blocks on 2 threads: each block is cut into row chunks (SplitMatmul)
+    (100, 576, 192, False), (256, 576, 576, False), (100, 576, 192, True),
 ]
 
 
@@ -89,6 +92,26 @@ def test_each_row_is_bitwise_the_same_alone_and_in_a_batch(transpose_w, dtype, n
     for i, m in ((0, 7), (5, 9), (23, 10), (24, 12), (0, 16), (17, 20), (13, 24),  # 7-24 rows
                  (3, 5), (2, 11)):  # and the transposed kernel's balanced tiles
         np.testing.assert_array_equal(np.asarray(f(x[i:i + m], w, transpose_w)), batch[i:i + m])
+
+
+@needs_matmul
+@needs_f32
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("n", [192, 576])
+def test_row_chunks_of_a_split_call_are_bitwise_the_rows_alone(transpose_w, dtype, n):
+    """3 or 9 column blocks do not divide over 2 threads, so a call of >= 48 rows cuts each
+    block into row chunks (100 rows: 54 + 46): every row, either side of the cut, is bitwise
+    the row computed alone, and padding past ``live_rows`` is still zeros."""
+    x, w = _inputs(100, 576, n, transpose_w, seed=7, dtype=dtype)
+    fn = cpa.matmul_bf16_cpu if dtype == jnp.bfloat16 else cpa.matmul_f32_cpu
+    f = jax.jit(fn, static_argnums=2)
+    batch = np.asarray(f(x, w, transpose_w))
+    for i in (0, 47, 53, 54, 55, 99):
+        np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w, transpose_w))[0], batch[i])
+    live = np.asarray(jax.jit(lambda a, b: fn(a, b, transpose_w, jnp.int32(90)))(x, w))
+    np.testing.assert_array_equal(live[:90], batch[:90])
+    assert not live[90:].any()
 
 
 @needs_matmul

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -776,6 +777,41 @@ inline int64_t MatmulMinItems(int64_t m_dim, int64_t k_dim, int64_t block) {
   return std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, work));
 }
 
+// A matmul's work items: column blocks of `block` columns, each cut into `row_chunks` chunks of
+// whole 6-row tiles when the blocks alone do not divide evenly over the threads. XLA runs a
+// layer's matmuls one after another, so 9 blocks on 2 threads leave one thread idle for a
+// block's time at the end of every call (SmolLM2 at 256 rows: q, o and down have 9 blocks, k and
+// v 3; measured in a dependent chain, k/v at 192 columns cost what 256 columns do). Only with
+// >= 24 rows a chunk, where the FMAs, not the weight stream, set the time: both chunks read the
+// block's weights. A row's arithmetic does not depend on its tile: the results are bitwise the
+// same.
+struct MatmulItems {
+  int64_t col_blocks, row_chunks, chunk_rows;
+  int64_t count() const { return col_blocks * row_chunks; }
+  // Item -> columns [n0, n1) and rows [r0, r1) (r1 <= r0: nothing but the block's padding).
+  void Bounds(int64_t item, int64_t block, int64_t n, int64_t m_dim, int64_t* n0, int64_t* n1,
+              int64_t* r0, int64_t* r1) const {
+    const int64_t cb = item / row_chunks, rc = item % row_chunks;
+    *n0 = cb * block;
+    *n1 = std::min(n, *n0 + block);
+    *r0 = std::min(m_dim, rc * chunk_rows);
+    *r1 = std::min(m_dim, *r0 + chunk_rows);
+  }
+};
+
+inline MatmulItems SplitMatmul(int64_t threads, int64_t m_dim, int64_t n, int64_t block) {
+  MatmulItems it{(n + block - 1) / block, 1, m_dim};
+  threads = std::max<int64_t>(1, threads);
+  if (threads > 1 && it.col_blocks % threads != 0 && it.col_blocks < 8 * threads) {
+    const int64_t chunks = threads / std::gcd(it.col_blocks, threads);
+    if (m_dim >= 24 * chunks) {
+      it.row_chunks = chunks;
+      it.chunk_rows = ((m_dim + chunks - 1) / chunks + 5) / 6 * 6;
+    }
+  }
+  return it;
+}
+
 // The [K, N] matmuls run 6-row tiles at every row count. Tiles of up to 12 x 32 for calls of
 // 7-24 rows (a block's weights through the registers once per 12 rows) were measured faster on
 // an earlier machine but slower on this project's AMD Zen 4 CPUs (SmolLM2's weight matmuls,
@@ -1287,17 +1323,21 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   const uint16_t* xp = static_cast<const uint16_t*>(x.untyped_data());
   const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());
   constexpr int64_t kBlock = kNKBlock;  // columns per work item (both layouts)
-  const int64_t items = (n + kBlock - 1) / kBlock;
-  const int64_t min_items = MatmulMinItems(m_dim, k_dim, kBlock);
-  ParallelFor(pool, items, min_items, [=](int64_t item) {
-    const int64_t n0 = item * kBlock, n1 = std::min(n, n0 + kBlock);
-    ZeroPaddingRows(op, m_dim, rows, n, n0, n1);
+  const MatmulItems split = SplitMatmul(pool.num_threads(), m_dim, n, kBlock);
+  const int64_t min_items = MatmulMinItems(split.chunk_rows, k_dim, kBlock);
+  ParallelFor(pool, split.count(), min_items, [=](int64_t item) {
+    int64_t n0, n1, r0, r1;
+    split.Bounds(item, kBlock, n, m_dim, &n0, &n1, &r0, &r1);
+    if (r0 == 0) ZeroPaddingRows(op, m_dim, rows, n, n0, n1);
+    if (r1 <= r0) return;
+    const uint16_t* xr = xp + r0 * k_dim;
+    float* orow = op + r0 * n;
     if (transpose_w) {
-      GemmNKRows(xp, m_dim, k_dim, wp, n, n0, n1, op);
+      GemmNKRows(xr, r1 - r0, k_dim, wp, n, n0, n1, orow);
     } else if (n1 - n0 == 64) {
-      GemmKNColumns<2>(xp, m_dim, k_dim, wp, n, n0, op);
+      GemmKNColumns<2>(xr, r1 - r0, k_dim, wp, n, n0, orow);
     } else {
-      GemmKNColumns<1>(xp, m_dim, k_dim, wp, n, n0, op);
+      GemmKNColumns<1>(xr, r1 - r0, k_dim, wp, n, n0, orow);
     }
   });
 #else
@@ -1428,20 +1468,25 @@ ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   constexpr int64_t kBlock = 64;
-  const int64_t items = (n + kBlock - 1) / kBlock;
-  const int64_t min_items = MatmulMinItems(m_dim, k_dim, kBlock);
-  ParallelFor(pool, items, min_items, [=](int64_t item) {
-    const int64_t n0 = item * kBlock, n1 = std::min(n, n0 + kBlock);
-    ZeroPaddingRows(op, m_dim, rows, n, n0, n1);
+  const MatmulItems split = SplitMatmul(pool.num_threads(), m_dim, n, kBlock);
+  const int64_t min_items = MatmulMinItems(split.chunk_rows, k_dim, kBlock);
+  ParallelFor(pool, split.count(), min_items, [=](int64_t item) {
+    int64_t n0, n1, r0, r1;
+    split.Bounds(item, kBlock, n, m_dim, &n0, &n1, &r0, &r1);
+    if (r0 == 0) ZeroPaddingRows(op, m_dim, rows, n, n0, n1);
+    if (r1 <= r0) return;
+    const float* xr = xp + r0 * k_dim;
+    float* orow = op + r0 * n;
+    const int64_t mr = r1 - r0;
     if (transpose_w) {
-      GemmNKRowsF32(xp, m_dim, k_dim, wp, n, n0, n1, op);
+      GemmNKRowsF32(xr, mr, k_dim, wp, n, n0, n1, orow);
       return;
     }
     switch ((n1 - n0) / 16) {
-      case 4: GemmKNColumnsF32<4>(xp, m_dim, k_dim, wp, n, n0, op); break;
-      case 3: GemmKNColumnsF32<3>(xp, m_dim, k_dim, wp, n, n0, op); break;
-      case 2: GemmKNColumnsF32<2>(xp, m_dim, k_dim, wp, n, n0, op); break;
-      default: GemmKNColumnsF32<1>(xp, m_dim, k_dim, wp, n, n0, op); break;
+      case 4: GemmKNColumnsF32<4>(xr, mr, k_dim, wp, n, n0, orow); break;
+      case 3: GemmKNColumnsF32<3>(xr, mr, k_dim, wp, n, n0, orow); break;
+      case 2: GemmKNColumnsF32<2>(xr, mr, k_dim, wp, n, n0, orow); break;
+      default: GemmKNColumnsF32<1>(xr, mr, k_dim, wp, n, n0, orow); break;
     }
   });
 #else
