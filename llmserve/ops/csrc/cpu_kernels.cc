@@ -932,6 +932,22 @@ inline void ZeroPaddingRows(float* out, int64_t live, int64_t rows, int64_t n, i
     std::memset(out + m * n + n0, 0, static_cast<size_t>(n1 - n0) * sizeof(float));
 }
 
+// Runs fn(x rows, row count, out rows, n0, n1) for every item of the split matmul x [m_dim, K]
+// -> out [rows, n] over the pool: x and out start at the item's first row; each column block's
+// padding rows [m_dim, rows) are zeroed once.
+template <typename XT, typename F>
+void ForEachMatmulItem(ffi::ThreadPool& pool, const XT* xp, int64_t m_dim, int64_t rows,
+                       int64_t k_dim, int64_t n, int64_t block, float* op, F fn) {
+  const MatmulItems split = SplitMatmul(pool.num_threads(), m_dim, n, block);
+  const int64_t min_items = MatmulMinItems(split.chunk_rows, k_dim, block);
+  ParallelFor(pool, split.count(), min_items, [=](int64_t item) {
+    int64_t n0, n1, r0, r1;
+    split.Bounds(item, block, n, m_dim, &n0, &n1, &r0, &r1);
+    if (r0 == 0) ZeroPaddingRows(op, m_dim, rows, n, n0, n1);
+    if (r1 > r0) fn(xp + r0 * k_dim, r1 - r0, op + r0 * n, n0, n1);
+  });
+}
+
 // ---- bf16 matmul with float32 accumulation (AVX512_BF16): x [M, K] @ w -> out [M, N] f32 ----
 //
 // Why: XLA:CPU's bf16 dots (XNNPACK) run SmolLM2's decode-step matmuls at about a third of this
@@ -942,8 +958,9 @@ inline void ZeroPaddingRows(float* out, int64_t live, int64_t rows, int64_t n, i
 //   w [N, K] (the tied vocabulary projection, x @ E^T): 4 vocabulary rows x up to 6 x rows are
 //     dotted 32 dims at a time, each (row, column) summed horizontally at the end; the first
 //     row tile of a block prefetches the vocabulary rows it will read next.
-// Work is split over XLA's thread pool by column blocks; each block of weights is read from
-// memory once and reused from cache by every block of x rows. A row's arithmetic never depends
+// Work is split over XLA's thread pool by column blocks (cut into row chunks where the blocks do
+// not divide over the threads: SplitMatmul); each block of weights is read from memory once and
+// reused from cache by every block of x rows. A row's arithmetic never depends
 // on the other rows (batch invariant).
 #if defined(__AVX512BF16__)
 template <int MR, int NV>
@@ -1323,21 +1340,14 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   const uint16_t* xp = static_cast<const uint16_t*>(x.untyped_data());
   const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());
   constexpr int64_t kBlock = kNKBlock;  // columns per work item (both layouts)
-  const MatmulItems split = SplitMatmul(pool.num_threads(), m_dim, n, kBlock);
-  const int64_t min_items = MatmulMinItems(split.chunk_rows, k_dim, kBlock);
-  ParallelFor(pool, split.count(), min_items, [=](int64_t item) {
-    int64_t n0, n1, r0, r1;
-    split.Bounds(item, kBlock, n, m_dim, &n0, &n1, &r0, &r1);
-    if (r0 == 0) ZeroPaddingRows(op, m_dim, rows, n, n0, n1);
-    if (r1 <= r0) return;
-    const uint16_t* xr = xp + r0 * k_dim;
-    float* orow = op + r0 * n;
+  ForEachMatmulItem(pool, xp, m_dim, rows, k_dim, n, kBlock, op,
+                    [=](const uint16_t* xr, int64_t mr, float* orow, int64_t n0, int64_t n1) {
     if (transpose_w) {
-      GemmNKRows(xr, r1 - r0, k_dim, wp, n, n0, n1, orow);
+      GemmNKRows(xr, mr, k_dim, wp, n, n0, n1, orow);
     } else if (n1 - n0 == 64) {
-      GemmKNColumns<2>(xr, r1 - r0, k_dim, wp, n, n0, orow);
+      GemmKNColumns<2>(xr, mr, k_dim, wp, n, n0, orow);
     } else {
-      GemmKNColumns<1>(xr, r1 - r0, k_dim, wp, n, n0, orow);
+      GemmKNColumns<1>(xr, mr, k_dim, wp, n, n0, orow);
     }
   });
 #else
@@ -1468,16 +1478,8 @@ ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   constexpr int64_t kBlock = 64;
-  const MatmulItems split = SplitMatmul(pool.num_threads(), m_dim, n, kBlock);
-  const int64_t min_items = MatmulMinItems(split.chunk_rows, k_dim, kBlock);
-  ParallelFor(pool, split.count(), min_items, [=](int64_t item) {
-    int64_t n0, n1, r0, r1;
-    split.Bounds(item, kBlock, n, m_dim, &n0, &n1, &r0, &r1);
-    if (r0 == 0) ZeroPaddingRows(op, m_dim, rows, n, n0, n1);
-    if (r1 <= r0) return;
-    const float* xr = xp + r0 * k_dim;
-    float* orow = op + r0 * n;
-    const int64_t mr = r1 - r0;
+  ForEachMatmulItem(pool, xp, m_dim, rows, k_dim, n, kBlock, op,
+                    [=](const float* xr, int64_t mr, float* orow, int64_t n0, int64_t n1) {
     if (transpose_w) {
       GemmNKRowsF32(xr, mr, k_dim, wp, n, n0, n1, orow);
       return;
