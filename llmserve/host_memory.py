@@ -195,23 +195,17 @@ def hugepages_active(environ=None) -> bool:
                for t in tunables.split(":"))
 
 
-def hugepage_hint() -> str | None:
-    """A one-line hint for logs when this process could have had huge pages but has not
-    (library use on a "madvise" THP kernel), else None."""
-    if hugepage_env(os.environ) is None:
-        return None
-    return (f"glibc malloc runs without transparent huge pages; start Python with "
-            f"GLIBC_TUNABLES={HUGETLB_TUNABLE} for faster wide CPU steps (the llmserve command "
-            f"and the experiments do this themselves; {HUGEPAGES_OPT_OUT}=0 silences this)")
-
-
 _hinted = False
 
 
 def log_hugepage_hint_once() -> None:
-    """Logs ``hugepage_hint`` (at INFO) the first time it applies in this process."""
+    """Logs (at INFO, once per process) how to get huge pages when this process could have had
+    them but has not: library use on a "madvise" THP kernel."""
     global _hinted
-    hint = None if _hinted else hugepage_hint()
-    if hint:
-        _hinted = True
-        _LOG.info(hint)
+    if _hinted or hugepage_env(os.environ) is None:
+        return
+    _hinted = True
+    _LOG.info("glibc malloc runs without transparent huge pages; start Python with "
+              "GLIBC_TUNABLES=%s for faster wide CPU steps (the llmserve command and the "
+              "experiments do this themselves; %s=0 silences this)", HUGETLB_TUNABLE,
+              HUGEPAGES_OPT_OUT)
