@@ -10,9 +10,11 @@ in the storage dtype, float32 accumulation), exactly as the model runs them. The
 distinct per layer, so each call streams all of them (270 MB bf16, 540 MB fp32) as a real step
 does. Also times both dtypes through the native matmuls (``matmul_f32(..., native="always")``:
 the kernels the "cpu" backend may pick; AVX512_BF16 for bf16, AVX-512F for fp32) when this CPU
-has them (the "cpu" backend takes whichever `cpu_kernels.native_matmul_wins` says is faster).
-Prints the table (ms per call, bf16/fp32 and XLA/native ratios); writes
-results/matmul/matmul_<platform>.json.
+has them (the "cpu" backend takes whichever `cpu_kernels.native_matmul_wins` says is faster),
+and again with the layers' [K, N] weights in the native kernels' blocked layout
+(``cpu_kernels.block_weight``: what ``Runner`` passes them as where
+``cpu_kernels.blocked_weights_apply``). Prints the table (ms per call, bf16/fp32, XLA/native and
+native/blocked ratios); writes results/matmul/matmul_<platform>.json.
 """
 
 from __future__ import annotations
@@ -91,19 +93,28 @@ def main(argv):
         if native[name]:  # same weights, XLA's dot vs the native kernel
             results[f"{name}_native"] = {r: time_ms(weights, r, _ITERS.value, "always")
                                          for r in rows}
+        if cpu_kernels.blocked_matmul_supported(dtype):  # the same values, blocked
+            weights["layers"] = [{key: cpu_kernels.block_weight(w) for key, w in layer.items()}
+                                 for layer in weights["layers"]]
+            results[f"{name}_blocked"] = {r: time_ms(weights, r, _ITERS.value, "always")
+                                          for r in rows}
         del weights
     bf, fp = results["bfloat16"], results["float32"]
     nb, nf = results.get("bfloat16_native", {}), results.get("float32_native", {})
+    bb, bfb = results.get("bfloat16_blocked", {}), results.get("float32_blocked", {})
     cell = lambda d, r: f"{d[r]:.1f}" if d else "-"  # noqa: E731
-    table = [(r, f"{bf[r]:.1f}", cell(nb, r), f"{fp[r]:.1f}", cell(nf, r), f"{bf[r] / fp[r]:.2f}",
-              f"{bf[r] / nb[r]:.2f}" if nb else "-", f"{fp[r] / nf[r]:.2f}" if nf else "-")
+    ratio = lambda a, b, r: f"{a[r] / b[r]:.2f}" if a and b else "-"  # noqa: E731
+    table = [(r, f"{bf[r]:.1f}", cell(nb, r), cell(bb, r), f"{fp[r]:.1f}", cell(nf, r),
+              cell(bfb, r), f"{bf[r] / fp[r]:.2f}", ratio(bf, nb, r), ratio(fp, nf, r),
+              ratio(nb, bb, r), ratio(nf, bfb, r))
              for r in rows]
     print(f"\nSmolLM2-135M weight matmuls per step ({jax.default_backend()}, "
           f"{os.cpu_count()} cores, cpu bf16 flags: {cpu_has_bf16_matmul()}, "
           f"auto dtype: {auto_dtype()})")
-    print(markdown_table(["rows", "bf16 XLA (ms)", "bf16 native (ms)", "fp32 XLA (ms)",
-                          "fp32 native (ms)", "bf16/fp32 (XLA)", "bf16 XLA/native",
-                          "fp32 XLA/native"], table))
+    print(markdown_table(["rows", "bf16 XLA (ms)", "bf16 native (ms)", "bf16 native blocked (ms)",
+                          "fp32 XLA (ms)", "fp32 native (ms)", "fp32 native blocked (ms)",
+                          "bf16/fp32 (XLA)", "bf16 XLA/native", "fp32 XLA/native",
+                          "bf16 native/blocked", "fp32 native/blocked"], table))
     path = write_json(os.path.join(_OUT.value, f"matmul_{jax.default_backend()}.json"), {
         "rows": rows, "ms": results, "iters": _ITERS.value,
         "cpu_bf16_matmul": cpu_has_bf16_matmul(), "auto_dtype": auto_dtype()})

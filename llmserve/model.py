@@ -122,10 +122,22 @@ def matmul_f32(x: Array, w: Array, transpose_w: bool = False,
     flattened rows are real, the rest a step's bucket padding. The native kernels skip the
     padding rows (their results are zeros), so the step's matmuls cost what its real tokens
     do; XLA's dot computes every row.
+
+    A 3-D ``w`` is a [D, F] kernel in the native kernels' blocked layout [F / 64, D, 64]
+    (``cpu_kernels.block_weight``; ``Runner`` blocks a model's kernels where
+    ``cpu_kernels.blocked_weights_apply``): it goes to the native matmul whenever ``native`` is
+    set; elsewhere it is unblocked first (a copy: correct, not fast).
     """
     lead, d = x.shape[:-1], x.shape[-1]
     rows = int(np.prod(lead, dtype=np.int64))
     x2 = x.reshape(rows, d).astype(w.dtype)
+    if w.ndim == 3:
+        if native and not transpose_w and cpu_kernels.blocked_matmul_supported(w.dtype):
+            call = (cpu_kernels.matmul_bf16_cpu if w.dtype == jnp.bfloat16
+                    else cpu_kernels.matmul_f32_cpu)
+            f = w.shape[0] * w.shape[2]
+            return call(x2, w, False, live_rows).reshape(*lead, f)
+        w = cpu_kernels.unblock_weight(w)
     f = w.shape[0] if transpose_w else w.shape[1]
     if native and native != "always":
         native = cpu_kernels.native_matmul_wins(w.dtype, rows)
@@ -156,9 +168,13 @@ class Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, live_rows: Array | None = None) -> Array:
-        """``live_rows``: see ``matmul_f32``."""
-        kernel = self.param("kernel", nn.initializers.normal(0.02),
-                            (x.shape[-1], self.features), self.dtype)
+        """``live_rows``: see ``matmul_f32``. The kernel may come in the native matmuls' blocked
+        layout ([F / 64, D, 64], ``cpu_kernels.block_weight``)."""
+        shape = (x.shape[-1], self.features)
+        if self.has_variable("params", "kernel") and self.get_variable(
+                "params", "kernel").ndim == 3:
+            shape = cpu_kernels.blocked_shape(*shape, self.dtype) or shape
+        kernel = self.param("kernel", nn.initializers.normal(0.02), shape, self.dtype)
         y = matmul_f32(x, kernel, native=self.native, live_rows=live_rows)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)

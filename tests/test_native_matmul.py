@@ -320,3 +320,146 @@ def test_a_step_takes_one_matmul_kernel_chosen_by_its_sequences(monkeypatch):
     assert pick((1, None, 1), cache=sharded) is False
     monkeypatch.setattr(cpa, "cpu_has_amx", lambda: False)
     assert pick((16, None, 1)) == "always" and pick((0, (2, 8), 1)) == "always"
+
+
+# ---- the blocked weight layout ([N / 64, K, 64], cpu_kernels.block_weight) ----
+
+needs_blocked_bf16 = pytest.mark.skipif(not cpa.blocked_matmul_supported(jnp.bfloat16),
+                                        reason="no AVX512_BF16 matmul (blocked layout)")
+needs_blocked_f32 = pytest.mark.skipif(not cpa.blocked_matmul_supported(jnp.float32),
+                                       reason="no AVX-512F matmul (blocked layout)")
+
+
+def test_block_weight_round_trips_and_places_each_column_block_contiguously():
+    w = np.arange(6 * 128, dtype=np.float32).reshape(6, 128)
+    b = cpa.block_weight(w)
+    assert b.shape == (2, 6, 64) and b.flags["C_CONTIGUOUS"]
+    np.testing.assert_array_equal(b[1], w[:, 64:])  # block j = columns [64 j, 64 j + 64)
+    np.testing.assert_array_equal(cpa.unblock_weight(b), w)
+    np.testing.assert_array_equal(np.asarray(cpa.unblock_weight(cpa.block_weight(jnp.asarray(w)))),
+                                  w)
+    assert cpa.blocked_shape(576, 1536, jnp.bfloat16) == (24, 576, 64)
+    assert cpa.blocked_shape(48, 128, jnp.bfloat16) is None  # K % 32
+    assert cpa.blocked_shape(48, 128, jnp.float32) == (2, 48, 64)
+    assert cpa.blocked_shape(64, 96, jnp.float32) is None  # N % 64
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cpa.block_weight(w[:, :96])
+
+
+@pytest.mark.parametrize("dtype", [
+    pytest.param(jnp.bfloat16, marks=needs_blocked_bf16),
+    pytest.param(jnp.float32, marks=needs_blocked_f32)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 576), (2, 576, 192), (7, 64, 128), (10, 576, 192),
+                                   (13, 1536, 576), (37, 576, 1536), (100, 576, 192),
+                                   (256, 576, 576)])
+def test_blocked_weights_give_bitwise_the_results_of_the_kn_layout(dtype, m, k, n):
+    """The kernels read the same values in the same order from either layout: every row (and
+    the zeros of the padding rows past ``live``) is bitwise the [K, N] call's, across the tile
+    sizes, the 3- and 9-block row-chunk splits and SmolLM2's shapes."""
+    f = cpa.matmul_bf16_cpu if dtype == jnp.bfloat16 else cpa.matmul_f32_cpu
+    x, w = _inputs(m, k, n, False, seed=m, dtype=dtype)
+    blocked = cpa.block_weight(w)
+    run = jax.jit(f, static_argnums=2)
+    np.testing.assert_array_equal(np.asarray(run(x, blocked, False)), np.asarray(run(x, w, False)))
+    live = jnp.int32(max(1, m - 3))
+    out = np.asarray(run(x, blocked, False, live))
+    np.testing.assert_array_equal(out, np.asarray(run(x, w, False, live)))
+    assert not out[max(1, m - 3):].any()
+    want = np.asarray(cpa.matmul_bf16_reference(x, blocked))  # the oracle unblocks
+    assert (np.abs(out[: max(1, m - 3)] - want[: max(1, m - 3)])
+            <= _bound(x, w, False)[: max(1, m - 3)]).all()
+
+
+@needs_blocked_bf16
+def test_bad_blocked_weights_are_named():
+    x, w = _inputs(3, 64, 128, False)
+    b = cpa.block_weight(w)
+    with pytest.raises(ValueError, match="not transposed"):
+        cpa.matmul_bf16_cpu(x, b, True)
+    with pytest.raises(ValueError, match=r"\[N / 64, K, 64\]"):
+        cpa.matmul_bf16_cpu(x, b.reshape(4, 64, 32), False)
+    with pytest.raises(ValueError, match="K % 32"):
+        cpa.matmul_bf16_cpu(x[:, :48], b[:, :48], False)
+
+
+@needs_blocked_bf16
+@needs_blocked_f32
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_model_with_blocked_kernels_gives_the_logits_of_its_kn_kernels(dtype, monkeypatch):
+    """``block_params`` blocks every blockable Dense kernel (tiny-gqa's q/o/MLP kernels, N a
+    multiple of 64, not its 32-wide k/v projections); the model takes either layout, mixed:
+    bitwise the same logits on the "cpu" backend, and on "xla" (which unblocks the kernels, a
+    copy) XLA's logits."""
+    monkeypatch.setenv("LLMSERVE_NATIVE_MATMUL", "1")
+    cfg = preset("tiny-gqa").replace(dtype=dtype)
+    params = init_params(cfg)
+    blocked = cpa.block_params(params, cfg.jnp_dtype)
+    leaves = dict(jax.tree_util.tree_leaves_with_path(blocked))
+    original = dict(jax.tree_util.tree_leaves_with_path(params))
+    kernels = {p: v for p, v in leaves.items() if "kernel" in jax.tree_util.keystr(p)}
+    for path, value in kernels.items():
+        want = cpa.blocked_shape(*original[path].shape, cfg.jnp_dtype)
+        assert value.shape == (want or original[path].shape), jax.tree_util.keystr(path)
+    assert {v.ndim for v in kernels.values()} == {2, 3}  # some blocked, some not
+    assert jax.tree_util.tree_structure(blocked) == jax.tree_util.tree_structure(params)
+    assert blocked["embed"]["embedding"].ndim == 2  # the tied [V, D] table stays as it is
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+    meta = AttentionMetadata.for_dense(positions, jnp.full((2,), 9, jnp.int32))
+    cache = DenseKVCache.create(cfg, batch=2, max_len=9)
+
+    def logits(p, backend):
+        return np.asarray(jax.jit(lambda p, t, m, c: Transformer(cfg).apply(
+            {"params": p}, t, m, c, backend=backend)[0])(p, tokens, meta, cache))
+
+    np.testing.assert_array_equal(logits(blocked, "cpu"), logits(params, "cpu"))
+    np.testing.assert_array_equal(logits(blocked, "xla"), logits(params, "xla"))
+
+
+def test_blocked_weights_apply_follows_the_kernels_and_the_opt_out(monkeypatch):
+    """Blocked where the AVX-512 kernel for the dtype exists and wins at every row count; not
+    on an AMX CPU for bf16 (XLA's dot, which reads [K, N], wins from 8 rows), not with
+    ``LLMSERVE_BLOCKED_WEIGHTS=0``."""
+    monkeypatch.setattr(cpa, "blocked_matmul_supported", lambda dtype: True)
+    monkeypatch.setattr(cpa, "cpu_has_avx512", lambda: True)
+    monkeypatch.setattr(cpa, "cpu_has_amx", lambda: False)
+    assert cpa.blocked_weights_apply(jnp.bfloat16) and cpa.blocked_weights_apply(jnp.float32)
+    monkeypatch.setattr(cpa, "cpu_has_amx", lambda: True)
+    assert not cpa.blocked_weights_apply(jnp.bfloat16) and cpa.blocked_weights_apply(jnp.float32)
+    monkeypatch.setenv("LLMSERVE_BLOCKED_WEIGHTS", "0")
+    assert not cpa.blocked_weights_apply(jnp.float32)
+    monkeypatch.setattr(cpa, "blocked_matmul_supported", lambda dtype: False)
+    monkeypatch.delenv("LLMSERVE_BLOCKED_WEIGHTS")
+    assert not cpa.blocked_weights_apply(jnp.float32)
+
+
+@needs_blocked_bf16
+@needs_blocked_f32
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_an_engine_blocks_its_weights_and_serves_the_same_tokens(dtype, monkeypatch):
+    """``Runner`` blocks the Dense kernels on the "cpu" backend (the oracle: the same engine with
+    ``LLMSERVE_BLOCKED_WEIGHTS=0``): the same greedy tokens and logprobs, bitwise; and the
+    server's prompt scorer, handed the runner's blocked weights, scores as with the others."""
+    from llmserve import LLM, SamplingParams
+    from llmserve.scoring import PromptScorer
+
+    monkeypatch.setenv("LLMSERVE_NATIVE_MATMUL", "1")
+    cfg = preset("tiny-gqa").replace(dtype=dtype)
+    params = init_params(cfg, seed=2)
+    prompts = [[5, 6, 7, 8, 9], [11, 3], [200, 17, 4, 4, 90, 31, 2]]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def serve(blocked):
+        monkeypatch.setenv("LLMSERVE_BLOCKED_WEIGHTS", "1" if blocked else "0")
+        llm = LLM(params=params, model_config=cfg, tokenizer=None, warmup=False, backend="cpu",
+                  max_num_seqs=4, max_model_len=64)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        ndims = {x.ndim for x in jax.tree_util.tree_leaves(llm.engine.runner.params)}
+        scored = PromptScorer(cfg, llm.engine.runner.params, max_len=16).score(prompts[2], 2)
+        return ([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], ndims, scored)
+
+    got, ndims, scored = serve(True)
+    want, plain_ndims, plain_scored = serve(False)
+    assert 3 in ndims and 3 not in plain_ndims
+    assert got == want
+    assert scored == plain_scored
