@@ -438,8 +438,9 @@ def test_blocked_weights_apply_follows_the_kernels_and_the_opt_out(monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_an_engine_blocks_its_weights_and_serves_the_same_tokens(dtype, monkeypatch):
     """``Runner`` blocks the Dense kernels on the "cpu" backend (the oracle: the same engine with
-    ``LLMSERVE_BLOCKED_WEIGHTS=0``): the same greedy tokens and logprobs, bitwise; and the
-    server's prompt scorer, handed the runner's blocked weights, scores as with the others."""
+    ``LLMSERVE_BLOCKED_WEIGHTS=0``): the same greedy tokens and logprobs, bitwise; the server's
+    prompt scorer, handed the runner's blocked weights, scores as with the others; and a draft
+    model (the target itself) is blocked too, its greedy output the plain engine's (fp32)."""
     from llmserve import LLM, SamplingParams
     from llmserve.scoring import PromptScorer
 
@@ -463,3 +464,16 @@ def test_an_engine_blocks_its_weights_and_serves_the_same_tokens(dtype, monkeypa
     assert 3 in ndims and 3 not in plain_ndims
     assert got == want
     assert scored == plain_scored
+    if dtype != "float32":  # (bf16 verify and decode rows may round a near-tie apart)
+        return
+    monkeypatch.setenv("LLMSERVE_BLOCKED_WEIGHTS", "1")
+    spec = LLM(params=params, model_config=cfg, tokenizer=None, warmup=False, backend="cpu",
+               max_num_seqs=4, max_model_len=64, speculative_config={
+                   "method": "draft", "model": (cfg, params), "num_speculative_tokens": 3,
+                   "adaptive": False})
+    draft = spec.engine.speculation.proposer.params
+    assert 3 in {x.ndim for x in jax.tree_util.tree_leaves(draft)}
+    outs = spec.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [ids for ids, _ in want]
+    assert spec.engine.stats["spec_accepted"] > 0

@@ -21,6 +21,7 @@ import numpy as np
 from llmserve.batch import StepInput, padded_page_pairs, part_arrays
 from llmserve.config import ModelConfig
 from llmserve.kv_cache import PagedKVCache
+from llmserve.ops import cpu_kernels
 from llmserve.programs import owned_jit, programs_for
 from llmserve.speculative.draft import draft_prefill, draft_propose
 from llmserve.speculative.ngram import NgramProposer
@@ -214,6 +215,9 @@ class DraftModelProposer:
             raise ValueError(f"draft vocab {cfg.vocab_size} != target vocab {target_vocab}")
         self.cfg, self.backend = cfg, backend
         self.num_speculative_tokens = num_speculative_tokens
+        if (backend == "cpu" and shardings is None
+                and cpu_kernels.blocked_weights_apply(cfg.jnp_dtype)):
+            params = cpu_kernels.block_params(params, cfg.jnp_dtype)  # as the target's (Runner)
         self.params = jax.tree_util.tree_map(jnp.asarray, params)
         self.cache = PagedKVCache.create(cfg, num_pages, page_size)
         self.put = jax.device_put
