@@ -131,15 +131,12 @@ def matmul_f32(x: Array, w: Array, transpose_w: bool = False,
     lead, d = x.shape[:-1], x.shape[-1]
     rows = int(np.prod(lead, dtype=np.int64))
     x2 = x.reshape(rows, d).astype(w.dtype)
-    if w.ndim == 3:
-        if native and not transpose_w and cpu_kernels.blocked_matmul_supported(w.dtype):
-            call = (cpu_kernels.matmul_bf16_cpu if w.dtype == jnp.bfloat16
-                    else cpu_kernels.matmul_f32_cpu)
-            f = w.shape[0] * w.shape[2]
-            return call(x2, w, False, live_rows).reshape(*lead, f)
-        w = cpu_kernels.unblock_weight(w)
-    f = w.shape[0] if transpose_w else w.shape[1]
-    if native and native != "always":
+    blocked = w.ndim == 3
+    if blocked and not (native and not transpose_w
+                        and cpu_kernels.blocked_matmul_supported(w.dtype)):
+        w, blocked = cpu_kernels.unblock_weight(w), False
+    f = w.shape[0] * w.shape[2] if blocked else (w.shape[0] if transpose_w else w.shape[1])
+    if native and native != "always" and not blocked:  # (blocked: native at every row count)
         native = cpu_kernels.native_matmul_wins(w.dtype, rows)
     if native and w.dtype == jnp.bfloat16 and cpu_kernels.matmul_bf16_supported(
             d, f, transpose_w) and cpu_kernels.has_bf16_matmul():

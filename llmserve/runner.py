@@ -101,10 +101,9 @@ class Runner:
         if jax.default_backend() == "cpu":
             host_memory.log_hugepage_hint_once()
         if shardings is None:
-            if backend == "cpu" and cpu_kernels.blocked_weights_apply(cfg.jnp_dtype):
-                # The native matmuls stream a [K, N] kernel's 64-column blocks contiguously
-                # from the blocked layout (2-3x the bandwidth at a decode step's few rows).
-                params = cpu_kernels.block_params(params, cfg.jnp_dtype)
+            # The native matmuls stream a [K, N] kernel's 64-column blocks contiguously from the
+            # blocked layout (2-3x the bandwidth at a decode step's few rows).
+            params = cpu_kernels.device_weights(params, cfg.jnp_dtype, backend)
             self.params = jax.tree_util.tree_map(jnp.asarray, params)
             self.cache = PagedKVCache.create(cfg, num_pages, page_size)
             self.sstate = SamplerState.create(max_slots, cfg.vocab_size, self._history_len)

@@ -273,9 +273,10 @@ def unblock_weight(w):
 
 def blocked_shape(k: int, n: int, dtype) -> Optional[tuple]:
     """The blocked shape of a [k, n] weight of ``dtype``, or None where the native matmul does not
-    take it (N % 64 and the kernel's K multiple)."""
-    k_mult = 32 if jnp.dtype(dtype) == jnp.bfloat16 else 16
-    if n % BLOCK_COLUMNS or k % k_mult or k <= 0 or n <= 0:
+    take it (N % 64, and the [K, N] kernel's own shape rule)."""
+    supported = (matmul_bf16_supported if jnp.dtype(dtype) == jnp.bfloat16
+                 else matmul_f32_supported)
+    if n % BLOCK_COLUMNS or not supported(k, n, False):
         return None
     return (n // BLOCK_COLUMNS, k, BLOCK_COLUMNS)
 
@@ -302,21 +303,22 @@ def blocked_weights_apply(dtype) -> bool:
 
 def block_params(params, dtype):
     """The weights with every blockable Dense kernel (a "kernel" leaf [K, N] of ``dtype``,
-    ``blocked_shape``) in the blocked layout; the rest unchanged. Nested dicts in, nested
-    dicts out."""
-    def walk(tree):
-        out = {}
-        for key, value in tree.items():
-            if isinstance(value, dict) or hasattr(value, "items"):
-                out[key] = walk(value)
-            elif (key == "kernel" and getattr(value, "ndim", 0) == 2
-                  and jnp.dtype(value.dtype) == jnp.dtype(dtype)
-                  and blocked_shape(*value.shape, dtype) is not None):
-                out[key] = block_weight(value)
-            else:
-                out[key] = value
-        return out
-    return walk(params)
+    ``blocked_shape``) in the blocked layout; the rest, and the tree's structure, unchanged."""
+    def leaf(path, value):
+        if (getattr(path[-1], "key", None) == "kernel" and getattr(value, "ndim", 0) == 2
+                and jnp.dtype(value.dtype) == jnp.dtype(dtype)
+                and blocked_shape(*value.shape, dtype) is not None):
+            return block_weight(value)
+        return value
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def device_weights(params, dtype, backend: str, sharded: bool = False):
+    """A model's weights as a runner (or a draft model) keeps them: blocked
+    (``block_params``) on the "cpu" backend, unsharded, where ``blocked_weights_apply``."""
+    if backend == "cpu" and not sharded and blocked_weights_apply(dtype):
+        return block_params(params, dtype)
+    return params
 
 
 def matmul_bf16_supported(k: int, n: int, transpose_w: bool) -> bool:

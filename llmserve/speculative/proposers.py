@@ -215,9 +215,8 @@ class DraftModelProposer:
             raise ValueError(f"draft vocab {cfg.vocab_size} != target vocab {target_vocab}")
         self.cfg, self.backend = cfg, backend
         self.num_speculative_tokens = num_speculative_tokens
-        if (backend == "cpu" and shardings is None
-                and cpu_kernels.blocked_weights_apply(cfg.jnp_dtype)):
-            params = cpu_kernels.block_params(params, cfg.jnp_dtype)  # as the target's (Runner)
+        params = cpu_kernels.device_weights(params, cfg.jnp_dtype, backend,  # as Runner's
+                                            sharded=shardings is not None)
         self.params = jax.tree_util.tree_map(jnp.asarray, params)
         self.cache = PagedKVCache.create(cfg, num_pages, page_size)
         self.put = jax.device_put

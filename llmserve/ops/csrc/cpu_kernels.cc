@@ -923,6 +923,15 @@ LLMSERVE_INLINE void PrefetchNKTile(const T* w, int64_t row, int64_t k_dim, int6
 // equal. A 3-D w is blocked (llmserve.ops.cpu_kernels.block_weight).
 constexpr int64_t kBlockedColumns = 64;
 
+// Column block n0's first weight and the row stride from there: w [K, N] read in place, or the
+// blocked layout (block n0 / 64 is K contiguous rows of 64).
+template <typename T>
+inline const T* KNBlock(const T* w, bool blocked, int64_t k_dim, int64_t n, int64_t n0,
+                        int64_t* ldw) {
+  *ldw = blocked ? kBlockedColumns : n;
+  return blocked ? w + (n0 / kBlockedColumns) * k_dim * kBlockedColumns : w + n0;
+}
+
 // x [M, K] and w ([K, N], [N, K] with transpose_w, or blocked [N / 64, K, 64]) -> rows, K, N.
 template <typename Dims>
 ffi::Error MatmulDims(const Dims& xd, const Dims& wd, bool transpose_w, int64_t k_mult,
@@ -1383,8 +1392,8 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
       GemmNKRows(xr, mr, k_dim, wp, n, n0, n1, orow);
       return;
     }
-    const uint16_t* wb = blocked ? wp + (n0 / kBlock) * k_dim * kBlock : wp + n0;
-    const int64_t ldw = blocked ? kBlock : n;
+    int64_t ldw;
+    const uint16_t* wb = KNBlock(wp, blocked, k_dim, n, n0, &ldw);
     if (n1 - n0 == 64) {
       GemmKNColumns<2>(xr, mr, k_dim, wb, ldw, n, n0, orow);
     } else {
@@ -1528,8 +1537,8 @@ ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
       GemmNKRowsF32(xr, mr, k_dim, wp, n, n0, n1, orow);
       return;
     }
-    const float* wb = blocked ? wp + (n0 / kBlock) * k_dim * kBlock : wp + n0;
-    const int64_t ldw = blocked ? kBlock : n;
+    int64_t ldw;
+    const float* wb = KNBlock(wp, blocked, k_dim, n, n0, &ldw);
     switch ((n1 - n0) / 16) {
       case 4: GemmKNColumnsF32<4>(xr, mr, k_dim, wb, ldw, n, n0, orow); break;
       case 3: GemmKNColumnsF32<3>(xr, mr, k_dim, wb, ldw, n, n0, orow); break;
