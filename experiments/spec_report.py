@@ -56,15 +56,18 @@ def report(rows: list[dict]) -> str:
 
 
 def notes(cfg, models: dict, rows: list[dict], prompts: dict, skipped: dict,
-          loads: list[float], r_values: list[int]) -> list[str]:
-    """Caveats printed under the table and stored in the JSON; ``r_values``: the draft lengths
-    compared."""
+          loads: list[float]) -> list[str]:
+    """Caveats printed under the table and stored in the JSON."""
     target = (f"{cfg.target_model} (random weights: pipeline check only)" if cfg.target_model
               else "SmolLM2-135M-Instruct")
     lens = {w: [len(p.ids) for p in ps] for w, ps in prompts.items() if ps}
+    r_by_method: dict = {}  # the draft lengths each method ran with
+    for r in rows:
+        r_by_method.setdefault(r["method"], set()).add(r["R"])
+    r_values = "; ".join(f"{m} {','.join(map(str, sorted(v)))}" for m, v in r_by_method.items())
     out = [f"{target} {cfg.dtype}, {os.cpu_count()} shared CPU cores (1-min load "
-           f"{min(loads):.1f}-{max(loads):.1f}); greedy, EOS ignored; R = "
-           f"{','.join(map(str, r_values))} drafts; batch = concurrent requests "
+           f"{min(loads):.1f}-{max(loads):.1f}); greedy, EOS ignored; R (drafts per row) = "
+           f"{r_values}; batch = concurrent requests "
            "(max_num_seqs = decode bucket = batch)",
            "prompt tokens (chat template included): " + ", ".join(
                f"{w} {min(v)}-{max(v)}" for w, v in lens.items()),
@@ -154,7 +157,8 @@ def plot(path: str, rows: list[dict], title: str) -> str:
     ax2.set_xlabel("draft position j")
     ax2.set_ylabel("P(draft j accepted | carried)")
     ax2.set_ylim(0, 1)
-    ax2.legend(fontsize=7, ncol=2, title="adaptive off", title_fontsize=7)
+    if ax2.get_legend_handles_labels()[0]:  # (no rows without the policy: no legend)
+        ax2.legend(fontsize=7, ncol=2, title="adaptive off", title_fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return common.save_figure(fig, path)
@@ -163,14 +167,16 @@ def plot(path: str, rows: list[dict], title: str) -> str:
 def summarize(rows: list[dict]) -> dict:
     """Headline numbers for experiments/report.py: batch-1 speedups, the worst adaptive row,
     the batch-1 verify cost and whether every greedy output matched. With several R values
-    (``draft_lengths``) the smallest R's rows give the plain keys, the others' keys end in
-    ``_R<r>``."""
+    (``draft_lengths``) each method's smallest R gives its plain keys, its other rows' keys
+    end in ``_R<r>``."""
     out: dict = {"all_identical": all(r["identical"] for r in rows),
                  "all_identical_up_to_near_ties": all(r.get("identical_up_to_near_ties",
                                                             r["identical"]) for r in rows)}
-    first_r = min((r.get("R", 0) for r in rows), default=None)  # headline keys; others _R<r>
+    first_r: dict = {}  # per method: the R of its headline keys (others end in _R<r>)
     for r in rows:
-        suffix = "" if r.get("R", 0) == first_r else f"_R{r['R']}"
+        first_r[r["method"]] = min(first_r.get(r["method"], r.get("R", 0)), r.get("R", 0))
+    for r in rows:
+        suffix = "" if r.get("R", 0) == first_r[r["method"]] else f"_R{r['R']}"
         tag = ("adaptive" if r["adaptive"] else "always") + suffix
         if r["batch"] == min(x["batch"] for x in rows):
             out[f"{r['method']}_b{r['batch']}_speedup_{tag}"] = r["speedup"]["median"]

@@ -81,10 +81,17 @@ def _list(s: str) -> list[str]:
     return [x.strip() for x in str(s).split(",") if x.strip()]
 
 
-def draft_lengths(cfg) -> list[int]:
-    """The R values compared side by side: ``draft_lengths`` ("4,6,8"), else
-    ``num_speculative_tokens`` alone."""
-    return [int(r) for r in _list(cfg.draft_lengths)] or [int(cfg.num_speculative_tokens)]
+def draft_lengths(cfg, method: Optional[str] = None) -> list[int]:
+    """The R values compared side by side: ``draft_lengths`` ("4,6,8"), else the method's own
+    (``ngram_speculative_tokens`` for n-gram, ``num_speculative_tokens`` for the others);
+    ``method`` None: every R any method may use."""
+    listed = [int(r) for r in _list(cfg.draft_lengths)]
+    if listed:
+        return listed
+    ngram = [int(cfg.get("ngram_speculative_tokens") or cfg.num_speculative_tokens)]
+    if method is None:
+        return sorted({int(cfg.num_speculative_tokens), *ngram})
+    return ngram if method.startswith("ngram") else [int(cfg.num_speculative_tokens)]
 
 
 def check_config(cfg) -> None:
@@ -95,8 +102,9 @@ def check_config(cfg) -> None:
     for b in _list(cfg.batches):
         if not b.isdigit() or int(b) < 1:
             raise ValueError(f"batches={cfg.batches!r}: positive integers")
-    for field, least in (("pairs", 1), ("max_tokens", 2)):  # 2: one timed decode step at least
-        for kv in _list(getattr(cfg, field)):
+    for field, least in (("pairs", 1), ("grounded_pairs", 1),
+                         ("max_tokens", 2)):  # 2: one timed decode step at least
+        for kv in _list(cfg.get(field) or ""):
             parts = kv.split(":")
             if len(parts) != 2 or not all(x.isdigit() for x in parts) or int(parts[1]) < least:
                 raise ValueError(f"{field}={getattr(cfg, field)!r}: use batch:value,... with "
@@ -293,7 +301,8 @@ def measure(cfg, models: dict, workload: str, methods: list[str], batch: int,
 
     from llmserve.sampling_params import SamplingParams
 
-    pairs, max_tokens = per_batch(cfg.pairs, batch), per_batch(cfg.max_tokens, batch)
+    pairs = per_batch((workload == GROUNDED and cfg.get("grounded_pairs")) or cfg.pairs, batch)
+    max_tokens = per_batch(cfg.max_tokens, batch)
     adaptive = [a.lower() == "true" for a in _list(cfg.adaptive)]
     engines, setup = {}, {}
     if "ngram" in methods:  # one variant per lookup place (configs/speculative.py)
@@ -303,10 +312,11 @@ def measure(cfg, models: dict, workload: str, methods: list[str], batch: int,
         i = methods.index("ngram")
         methods = (methods[:i] + [{"host": "ngram", "device": "ngram-device"}[w] for w in where]
                    + methods[i + 1:])
-    rs = draft_lengths(cfg)
-    variants = [(f"{m} adaptive={'on' if a else 'off'}" + (f" R={r}" if len(rs) > 1 else ""),
+    variants = [(f"{m} adaptive={'on' if a else 'off'}"
+                 + (f" R={r}" if len(draft_lengths(cfg, m)) > 1 else ""),
                  spec_config(cfg, models, m, a, r))
-                for m in methods if m not in skipped for a in adaptive for r in rs]
+                for m in methods if m not in skipped for a in adaptive
+                for r in draft_lengths(cfg, m)]
     for name, spec in variants + [("plain", None)]:
         if spec is None and not engines:
             return []  # every variant skipped: no plain run needed
@@ -492,7 +502,7 @@ def main(argv) -> None:
     if not rows:
         raise SystemExit("no speculative variant ran (every method skipped)")
     table = report(rows)
-    caveats = notes(cfg, models, rows, prompts, skipped, loads, draft_lengths(cfg))
+    caveats = notes(cfg, models, rows, prompts, skipped, loads)
     print(f"\n{table}\n\n" + "\n".join(f"- {c}" for c in caveats))
     out = common.run_dir("speculative", cfg.out_root or None)
     model = cfg.target_model or "SmolLM2-135M"

@@ -261,6 +261,11 @@ def test_speculative_summary_of_a_run_that_measured_one_policy():
     assert many["ngram_b1_speedup_adaptive"] == 1.7 and many["ngram_b1_speedup_adaptive_R8"] == 1.8
     assert many["ngram_b1_verify_decode_cost_R8"] == 1.2
     assert "1.70x adaptive" in spec_cell(many)
+    # Each method's own R (n-gram 5, draft 4): both head their method's keys, no suffix.
+    mixed = summarize([{**row(1, True, 2.0, 1.3), "R": 5},
+                       {**row(1, True, 0.8, 1.9), "method": "draft", "R": 4}])
+    assert mixed["ngram_b1_speedup_adaptive"] == 2.0 and mixed["draft_b1_speedup_adaptive"] == 0.8
+    assert not any(k.endswith(("_R4", "_R5")) for k in mixed)
 
 
 def test_replay_lookup_counts_verify_steps_by_hand():
@@ -302,19 +307,30 @@ def test_interleaved_rotates_the_order_every_repeat():
 
 
 def test_speculative_benchmark_compares_draft_lengths_side_by_side():
-    """``draft_lengths`` lists the R values run as variants of the same pairs (default: R =
-    ``num_speculative_tokens`` alone); a bad list is refused before any model loads."""
+    """``draft_lengths`` lists the R values run as variants of the same pairs, for every
+    method (default: each method's own R, ``ngram_speculative_tokens`` for n-gram and
+    ``num_speculative_tokens`` for the others); a bad list is refused before any model
+    loads."""
     from experiments.speculative import check_config, draft_lengths
 
     cfg = load_config_module("speculative").get_config("small")
-    assert draft_lengths(cfg) == [cfg.num_speculative_tokens] == [4]
+    assert draft_lengths(cfg, "draft") == draft_lengths(cfg, "eagle") == [4]
+    assert draft_lengths(cfg, "ngram") == draft_lengths(cfg, "ngram-device") == [5]
+    assert draft_lengths(cfg) == [4, 5]  # every R any method runs (the length limit's check)
     cfg.draft_lengths = "4, 5,8"
-    assert draft_lengths(cfg) == [4, 5, 8]
+    assert draft_lengths(cfg) == draft_lengths(cfg, "ngram") == draft_lengths(cfg, "draft") == [
+        4, 5, 8]
     check_config(cfg)
     for bad in ("0", "4,x", "17"):
         cfg.draft_lengths = bad
         with pytest.raises(ValueError, match="draft_lengths"):
             check_config(cfg)
+    # The input-grounded workload's own pairs, checked like ``pairs``.
+    cfg.draft_lengths = ""
+    cfg.grounded_pairs = "1:x"
+    with pytest.raises(ValueError, match="grounded_pairs"):
+        check_config(cfg)
+    cfg.grounded_pairs = ""
     # The longest R must fit the chat length limit too.
     cfg.draft_lengths = "4,16"
     cfg.chat_max_model_len = cfg.max_chat_prompt_tokens + 32 + 4
