@@ -142,6 +142,24 @@ def _top_logprobs(logits: Array, num_logprobs: int,
                                                        jnp.zeros(shape, jnp.float32)), logits)
 
 
+def trim_verify_tokens(inp: StepInput, bv: int, w: int) -> StepInput:
+    """A verify-only step's live tokens end after its last real row's drafts.
+
+    A verify row has room for 1 + D tokens, and the batch counts it whole (``live``), since
+    drafts found on the device may fill it. Once the row's drafts are known here (``num_draft``:
+    the host's n-gram proposal, or the device lookup's count), the tokens after the last real
+    row's drafts are padding: the native matmuls and the vocabulary projection skip them
+    (``live_tokens``, ``logits_rows``), so a row that carries fewer drafts costs less (at batch
+    1, a device lookup that finds none costs about a decode step). Nothing changes for the
+    rows kept: the native kernels compute each row alone, and the verifier never reads logits
+    past a row's drafts. A batch with no real row (warm-up timing) keeps its count."""
+    part = inp.parts[0]
+    real = part.lengths[:bv] > 0
+    ends = jnp.where(real, jnp.arange(bv, dtype=jnp.int32) * w + 1 + inp.num_draft[:bv], 0)
+    live = jnp.where(jnp.any(real), jnp.minimum(inp.live[0], jnp.max(ends)), inp.live[0])
+    return inp.replace(live=inp.live.at[0].set(live.astype(inp.live.dtype)))
+
+
 def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
           drafts: Optional[Array] = None, draft_probs: Optional[Array] = None,
           eagle: Optional[EagleState] = None, *, cfg: ModelConfig, backend: str,
@@ -199,6 +217,8 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         if drafts is not None:  # a draft model's tokens enter here, on the device
             rows = inp.tokens[: bv * w].reshape(bv, w).at[:, 1:].set(drafts.astype(jnp.int32))
             inp = inp.replace(tokens=jnp.concatenate([rows.reshape(-1), inp.tokens[bv * w:]]))
+        if r == bv:
+            inp = trim_verify_tokens(inp, bv, w)
         index = jnp.arange(bv * w, dtype=jnp.int32)
         if r > bv:
             index = jnp.concatenate([index, inp.sample_index[bv:]])

@@ -109,8 +109,22 @@ def _cases(cases, bf16_ids):
     return params
 
 
+def zero_padding_tokens(out, q_start, lengths):
+    """``out`` [B, T, N, H] with the query tokens past each sequence's length (a step's
+    padding: ``q_start + t >= lengths``) set to zeros, as the native CPU kernel writes them."""
+    t = out.shape[1]
+    real = np.asarray(q_start)[:, None] + np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+    return jnp.where(jnp.asarray(real)[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
 class AttentionSuite:
-    """Shared cases; subclasses implement ``contiguous`` and ``paged`` for one backend."""
+    """Shared cases; subclasses implement ``contiguous`` and ``paged`` for one backend.
+
+    ``padding_zeros``: the backend writes zeros for paged query tokens past their sequence's
+    length (the native CPU kernel: they are padding, and cost nothing); the others let them
+    attend to the whole sequence, as the reference does."""
+
+    padding_zeros = False
 
     def contiguous(self, q, k, v, q_start, lengths):
         raise NotImplementedError
@@ -128,6 +142,8 @@ class AttentionSuite:
     def test_paged_matches_reference(self, case, dtype):
         args = paged_inputs(case, dtype)
         want = paged_attention_reference(*args)
+        if self.padding_zeros:
+            want = zero_padding_tokens(want, *args[-2:])
         assert_close(self.paged(*args), want, dtype)
 
     def test_query_seeing_no_key_returns_zeros(self):
@@ -169,6 +185,8 @@ needs_native = pytest.mark.skipif(not (ON_CPU and cpa.available()),
 class TestCpu(AttentionSuite):
     """The dispatcher's "cpu" backend: the native kernel for every paged case here (<= 32 rows
     per kv head), the XLA flash path for contiguous attention."""
+
+    padding_zeros = True
 
     def contiguous(self, *args):
         return jax.jit(functools.partial(attn.attention, backend="cpu"))(*args)
@@ -225,7 +243,10 @@ def test_uint16_stored_bf16_pages(case, backend):
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint16)
     f = jax.jit(functools.partial(attn.paged_attention, backend=backend))
     out = f(q, bits(k_pages), bits(v_pages), *rest)
-    assert_close(out, paged_attention_reference(q, k_pages, v_pages, *rest), jnp.bfloat16)
+    want = paged_attention_reference(q, k_pages, v_pages, *rest)
+    if backend == "cpu":  # (the native kernel: padding tokens are zeros, TestCpu)
+        want = zero_padding_tokens(want, *rest[-2:])
+    assert_close(out, want, jnp.bfloat16)
 
 
 # A prefill chunk (T*G = 120 rows: past the dispatcher's limit, so only reachable directly), a
@@ -251,6 +272,27 @@ def test_native_kernel_direct(case, dtype):
     args = paged_inputs(case, dtype)
     out = jax.jit(cpa.paged_attention_cpu)(*args)
     assert_close(out, paged_attention_reference(*args), dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_kernel_padding_tokens_are_zeros_and_the_rest_unchanged(dtype):
+    """A verify row with fewer drafts than its room (device lookup: lengths end after them) and
+    a prefill block's short tail: the tokens past the length come out as exact zeros, and
+    every real token is bitwise what the same query gives when the row holds no padding."""
+    # Sequence 0 verifies 1 + 2 of 6 slots; 1 is a prefill tail of 3 of 6; 2 holds none.
+    case = ("padded_rows", 3, 6, 9, 3, 64, 16, 6, [50, 19, 0], [47, 16, 0])
+    q, kp, vp, tables, q_start, lengths = paged_inputs(case, dtype)
+    f = jax.jit(cpa.paged_attention_cpu)
+    out = np.asarray(f(q, kp, vp, tables, q_start, lengths).astype(jnp.float32))
+    real = np.asarray(q_start)[:, None] + np.arange(6)[None, :] < np.asarray(lengths)[:, None]
+    assert real.sum() == 6
+    np.testing.assert_array_equal(out[~real], 0.0)
+    for i, n in ((0, 3), (1, 3)):  # the same queries without the padding tokens
+        alone = f(q[i:i + 1, :n], kp, vp, tables[i:i + 1], q_start[i:i + 1], lengths[i:i + 1])
+        np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32))[0], out[i, :n])
+    want = paged_attention_reference(q, kp, vp, tables, q_start, lengths)
+    assert_close(jnp.asarray(out[real]).astype(dtype), want[jnp.asarray(real)], dtype)
 
 
 @needs_native

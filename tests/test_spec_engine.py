@@ -480,3 +480,59 @@ def test_adaptive_ngram_checks_drafts_on_plain_steps(tiny):
     m = eng.spec_metrics()
     assert m["shadow_checks"] == checks and m["shadow_acceptance"] == hits / checks
     assert pol.prior[0] != before[0] and pol.prior[1:] == before[1:]  # position 0 only
+
+
+def test_trim_verify_tokens_ends_the_live_tokens_after_the_last_real_rows_drafts(tiny):
+    """A verify-only step's live tokens (what the native matmuls and the vocabulary projection
+    compute) end after the last real row's drafts, not after its room; a batch with no real
+    row (the policy's warm-up timing) keeps its count."""
+    import jax.numpy as jnp
+
+    from llmserve.step import trim_verify_tokens
+
+    cfg, params = tiny
+    eng = make_engine(cfg, params, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    d, _, w = next(s for s in eng.runner.step_shapes() if s[1] is None and s[2] > 1)
+    assert d >= 2 and w == 4
+    batch = eng.runner.empty_batch((d, None, w))
+    lengths = np.zeros(d, np.int32)
+    lengths[:2] = [10, 7]
+    num_draft = np.zeros(batch.num_draft.shape, np.int32)
+    num_draft[:2] = [3, 1]  # row 0 fills its room, row 1 (the last real one) carries 1 draft
+    part = batch.parts[0].replace(lengths=lengths)
+    real = batch.replace(parts=(part,) + batch.parts[1:], num_draft=num_draft,
+                         live=np.array([d * w, d], np.int32))
+    out = trim_verify_tokens(jax.tree_util.tree_map(jnp.asarray, real), d, w)
+    assert out.live.tolist() == [w + 1 + 1, d]
+    timing = batch.replace(live=np.array([d * w, d], np.int32))  # no real row: unchanged
+    assert trim_verify_tokens(jax.tree_util.tree_map(jnp.asarray, timing), d, w).live.tolist() \
+        == [d * w, d]
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host_lookup", "device_lookup"])
+def test_short_verify_rows_on_native_kernels_equal_plain(on_device):
+    """tiny-gqa in bf16 (blocked native matmuls, the native attention kernel): verify rows
+    carrying fewer drafts than their room compute only their real tokens (trimmed live
+    tokens, padding tokens' attention skipped), and the tokens and top-2 logprobs equal plain
+    decoding's."""
+    cfg = preset("tiny-gqa").replace(dtype="bfloat16")
+    params = init_params(cfg, seed=3)
+    prompts, lens = repetitive_workload(cfg, 6, seed=11)
+    sps = [SamplingParams(temperature=0, max_tokens=n + 6, ignore_eos=True, logprobs=2)
+           for n in lens]
+    want = run_all(make_engine(cfg, params), prompts, sps)
+    eng = make_engine(cfg, params, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "adaptive": False,
+        "prompt_lookup_on_device": on_device})
+    got = run_all(eng, prompts, sps)
+    assert eng.stats["spec_accepted"] > 0
+    # Some verify rows carried fewer than 3 drafts: the trimmed case.
+    assert eng.stats["spec_proposed"] < 3 * eng.stats["spec_verify_rows"]
+    for g, w in zip(got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        assert g.token_ids == w.token_ids
+        for pg, pw in zip(g.logprobs, w.logprobs):
+            assert set(pg) == set(pw)
+            for tok in pw:
+                assert abs(pg[tok] - pw[tok]) < 2e-2  # bf16: other batch shapes round apart

@@ -445,6 +445,11 @@ def paged_attention_cpu(q: Array, k_pages: Array, v_pages: Array, block_tables: 
 
     q is float32 or bfloat16; pages float32, bfloat16 or uint16 bit patterns of bfloat16 (the
     CPU cache's storage). Accumulation and softmax are float32. CPU only.
+
+    Query token t of sequence b is real when ``q_start[b] + t < lengths[b]``; the others are a
+    step's padding (a prefill block's short tail, a verify row's unused draft slots) and come
+    out as zeros, at no cost (the reference lets them attend to the whole sequence: their
+    values are never used).
     """
     check_paged_shapes(q, k_pages, v_pages, block_tables, q_start, lengths)
     _require()

@@ -213,6 +213,22 @@ struct Scratch {
   }
 };
 
+// Query tokens of sequence b inside it (positions q_start .. lengths - 1): the tokens after them
+// are a step's padding (a prefill block's short tail, a verify row's unused draft slots), and
+// their rows are written as zeros without reading a key. Before 2026-12-07 they attended to
+// every key of the sequence like its last token, at full cost: at batch 1, a verify row whose
+// device lookup found no draft paid 6 query tokens of attention for 1.
+inline int64_t LiveTokens(const Dims& d, int64_t qs, int64_t len) {
+  return std::min<int64_t>(std::max<int64_t>(len - qs, 0), d.t);
+}
+
+template <typename QT>
+void ZeroTokens(const Dims& d, int64_t b, int64_t k, int64_t t0, QT* out) {
+  const int64_t g = d.groups;
+  for (int64_t t = t0; t < d.t; ++t)
+    std::memset(out + ((b * d.t + t) * d.n + k * g) * d.h, 0, g * d.h * sizeof(QT));
+}
+
 // One (sequence b, kv head k) item: all T*G query rows of that head group over its pages.
 // kL: the page size when known at compile time (16, the default), else 0 (read from d).
 //
@@ -225,10 +241,12 @@ void Item(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT* vp,
           const int32_t* tables, const int32_t* q_start, const int32_t* lengths, QT* out,
           Scratch& s) {
   const int64_t b = item / d.kh, k = item % d.kh;
-  const int64_t g = d.groups, h = d.h, rows = d.t * g;
   const int64_t size = kL > 0 ? kL : d.page_size;
   const int64_t qs = q_start[b];
   const int64_t len = std::min<int64_t>(lengths[b], d.m * size);
+  const int64_t live = LiveTokens(d, qs, len);
+  ZeroTokens(d, b, k, live, out);
+  const int64_t g = d.groups, h = d.h, rows = live * g;
   const int64_t kv_end = std::min<int64_t>(qs + d.t, len);  // keys 0 .. kv_end-1 are read
   const int64_t rows4 = (rows + 3) / 4 * 4;  // rows padded to a multiple of 4 (zero queries)
   std::fill(s.q.begin(), s.q.begin() + rows4 * h, 0.0f);
@@ -675,9 +693,12 @@ void ItemAvx512(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT
   constexpr int64_t H = 16 * HV, L = 16;
   constexpr int kMaxRows = HV >= 8 ? 2 : 4;
   const int64_t b = item / d.kh, k = item % d.kh;
-  const int64_t g = d.groups, rows = d.t * g;
   const int64_t qs = q_start[b];
   const int64_t len = std::min<int64_t>(lengths[b], d.m * 16);
+  const int64_t live = LiveTokens(d, qs, len);
+  ZeroTokens(d, b, k, live, out);
+  const int64_t g = d.groups, rows = live * g;
+  if (rows == 0) return;
   const int64_t kv_end = std::min<int64_t>(qs + d.t, len);
   constexpr bool kPairs = kBf16Dot && std::is_same<QT, uint16_t>::value &&
                           std::is_same<PT, uint16_t>::value;
