@@ -247,7 +247,8 @@ void Item(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT* vp,
   const int64_t live = LiveTokens(d, qs, len);
   ZeroTokens(d, b, k, live, out);
   const int64_t g = d.groups, h = d.h, rows = live * g;
-  const int64_t kv_end = std::min<int64_t>(qs + d.t, len);  // keys 0 .. kv_end-1 are read
+  if (rows == 0) return;
+  const int64_t kv_end = qs + live;  // keys 0 .. kv_end-1 are read
   const int64_t rows4 = (rows + 3) / 4 * 4;  // rows padded to a multiple of 4 (zero queries)
   std::fill(s.q.begin(), s.q.begin() + rows4 * h, 0.0f);
   for (int64_t r = 0; r < rows; ++r) {  // row r = t*G + gi is head k*G + gi of token t
@@ -699,7 +700,7 @@ void ItemAvx512(const Dims& d, int64_t item, const QT* q, const PT* kp, const PT
   ZeroTokens(d, b, k, live, out);
   const int64_t g = d.groups, rows = live * g;
   if (rows == 0) return;
-  const int64_t kv_end = std::min<int64_t>(qs + d.t, len);
+  const int64_t kv_end = qs + live;  // (= min(qs + T, len): the last real token's keys)
   constexpr bool kPairs = kBf16Dot && std::is_same<QT, uint16_t>::value &&
                           std::is_same<PT, uint16_t>::value;
   constexpr int64_t kRowFloats = kPairs ? H / 2 : H;  // raw bf16 rows take half the space
