@@ -10,6 +10,7 @@ Other overrides: --config.batches=1,4 --config.pairs=1:5 --config.max_tokens=1:3
                  --config.grounded_pairs=1:9 (the input-grounded workload's pairs, when set)
                  --config.draft_lengths=4,5,8 (R values side by side)
                  --config.adaptive=false --config.chat_methods=draft
+                 --config.max_verify_tokens=0 (no cap on a verify step's tokens)
                  --config.eagle_model=checkpoints/eagle/smoke
 
 Workloads (fixed here, deterministic for a given Python version):
@@ -120,5 +121,8 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
     # ahead like plain ones): "host,device" runs both as variants on the same prompts (rows
     # "ngram" and "ngram-device").
     c.ngram_lookup = "host"
+    # The cap on a verify step's tokens (speculative_config's max_verify_tokens): -1 = the
+    # engine's default (16 on the "cpu" backend: batch 4 verifies 3 drafts a row), 0 = no cap.
+    c.max_verify_tokens = -1
     c.fail_on_mismatch = False  # True: exit non-zero when any greedy output differs
     return c

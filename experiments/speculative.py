@@ -109,6 +109,10 @@ def check_config(cfg) -> None:
             if len(parts) != 2 or not all(x.isdigit() for x in parts) or int(parts[1]) < least:
                 raise ValueError(f"{field}={getattr(cfg, field)!r}: use batch:value,... with "
                                  f"values >= {least}")
+    cap = cfg.get("max_verify_tokens", -1)
+    if not isinstance(cap, int) or cap < -1 or cap == 1:
+        raise ValueError(f"max_verify_tokens={cap!r}: -1 (the engine's default), 0 (no cap) "
+                         "or an int >= 2")
     for a in _list(cfg.adaptive):
         if a.lower() not in ("true", "false"):
             raise ValueError(f"adaptive={cfg.adaptive!r}: true and/or false")
@@ -165,6 +169,8 @@ def spec_config(cfg, models: dict, method: str, adaptive: bool, r: int) -> dict:
     method = "ngram" if on_device else method
     spec = {"method": method, "num_speculative_tokens": r,
             "adaptive": adaptive}
+    if int(cfg.get("max_verify_tokens", -1)) >= 0:  # else the engine's default
+        spec["max_verify_tokens"] = int(cfg.max_verify_tokens)
     if method == "ngram":
         spec.update(prompt_lookup_max=cfg.ngram_max, prompt_lookup_min=cfg.ngram_min,
                     prompt_lookup_on_device=on_device)

@@ -112,8 +112,9 @@ class StepInput(_Pytree):
     """Everything one step needs (numpy on the host, jax arrays on the device).
 
     N flat tokens; R sampled rows (the rows of every part, in part order). In a verify step the
-    first part is [Bv, 1 + D] (D = ``num_speculative_tokens``): each row's last committed token
-    and its drafts, all scored at once.
+    first part is [Bv, 1 + D] (D = ``num_speculative_tokens``, or fewer for a large Bv:
+    ``BatchBuilder.verify_drafts``): each row's last committed token and its drafts, all scored
+    at once.
     """
 
     tokens: Array  # [N] int32
@@ -174,7 +175,8 @@ class BatchBuilder:
                  mixed_decode_buckets: Sequence[int] | None = None,
                  num_speculative_tokens: int = 0, verify_buckets: Sequence[int] | None = None,
                  head: bool = False, batch_invariant: bool = False, min_rows: int = 1,
-                 max_prefill_seqs: int = 8, trim_from: int = 128):
+                 max_prefill_seqs: int = 8, trim_from: int = 128,
+                 max_verify_tokens: int | None = None):
         if max_prefill_seqs < 1:
             raise ValueError(f"max_prefill_seqs={max_prefill_seqs} must be >= 1")
         self.vocab_size = vocab_size
@@ -203,9 +205,23 @@ class BatchBuilder:
             verify_buckets = {min(max_slots, b) for b in (1, 2, 4)} | set(self.decode_buckets)
         # A repeated bucket (EngineConfig.verify_buckets=(8, 8)) is one shape, compiled once.
         self.verify_buckets = sorted(set(verify_buckets)) if num_speculative_tokens else []
+        # A verify step of b rows carries at most max(1, max_verify_tokens // b - 1) drafts a row
+        # (``verify_drafts``): past ~16 tokens a CPU step's matmuls turn compute-bound, so at
+        # batch 4 fewer drafts a row pay more than D (README "Speculative decoding").
+        if max_verify_tokens is not None and max_verify_tokens < 2:
+            raise ValueError(f"max_verify_tokens={max_verify_tokens} must be >= 2 (one draft)")
+        self.max_verify_tokens = max_verify_tokens
         self.head = head
         self.batch_invariant = batch_invariant
         self.min_rows = min_rows
+
+    def verify_drafts(self, bucket: int) -> int:
+        """Drafts a row of a verify step of ``bucket`` rows carries at most (its width is 1 +
+        that): D, or fewer where ``max_verify_tokens`` caps the step's tokens."""
+        d = self.num_speculative_tokens
+        if self.max_verify_tokens is None or not d:
+            return d
+        return max(1, min(d, self.max_verify_tokens // bucket - 1))
 
     def decode_bucket(self, n: int, mixed: bool = False, verify: bool = False) -> int:
         """The smallest decode (``verify``: verify) bucket holding n rows (``mixed``: beside
@@ -287,16 +303,17 @@ class BatchBuilder:
 
     def step_shapes(self) -> list[tuple]:
         """Every (decode rows, (prefill rows, chunk), width) shape a step can take: decode
-        alone, prefill alone and mixed; with speculation, verify rows of width 1 + D alone and
-        beside prefill. All are compiled at warm-up, so serving never compiles."""
+        alone, prefill alone and mixed; with speculation, verify rows of width 1 + D (of a
+        bucket's ``verify_drafts``) alone and beside prefill. All are compiled at warm-up, so
+        serving never compiles."""
         shapes = ([(d, None, 1) for d in self.decode_buckets]
                   + [(0, p, 1) for p in self.prefill_buckets]
                   + [(d, p, 1) for d, p in itertools.product(self.mixed_decode_buckets,
                                                              self.prefill_buckets)])
         if self.num_speculative_tokens:
-            w = 1 + self.num_speculative_tokens
-            shapes += ([(b, None, w) for b in self.verify_buckets]
-                       + [(self.verify_buckets[-1], p, w) for p in self.prefill_buckets])
+            top = self.verify_buckets[-1]
+            shapes += ([(b, None, 1 + self.verify_drafts(b)) for b in self.verify_buckets]
+                       + [(top, p, 1 + self.verify_drafts(top)) for p in self.prefill_buckets])
         return shapes
 
     # ------------------------------------------------------------------ host batch
@@ -312,10 +329,13 @@ class BatchBuilder:
         """
         parts = []
         if decode:
-            width = 1 + self.num_speculative_tokens if verify else 1
             if verify and not self.num_speculative_tokens:
                 raise ValueError("a verify step needs a Runner built with num_speculative_tokens")
             b = self.decode_bucket(len(decode), bool(prefill), verify)
+            width = 1 + self.verify_drafts(b) if verify else 1
+            if any(len(r.tokens) > width for r in decode):
+                raise ValueError(f"a verify row carries {max(len(r.tokens) for r in decode)} "
+                                 f"tokens; a step of {b} rows takes at most {width}")
             parts.append((decode, b, width, b))
         if prefill:
             b, c = self.prefill_bucket([len(r.tokens) for r in prefill])

@@ -28,6 +28,7 @@ from llmserve.speculative.controller import (
     SpeculationController,
     device_ngram,
     load_eagle,
+    max_verify_tokens,
     num_speculative_tokens,
 )
 
@@ -82,7 +83,8 @@ class Engine:
             num_speculative_tokens=num_speculative_tokens(config.speculative_config),
             verify_buckets=config.verify_buckets, eagle=eagle,
             batch_invariant=config.batch_invariant, shardings=shardings,
-            max_prefill_seqs=config.max_prefill_seqs, ngram=ngram)
+            max_prefill_seqs=config.max_prefill_seqs, ngram=ngram,
+            max_verify_tokens=max_verify_tokens(config.speculative_config, backend))
         self.blocks = BlockManager(num_pages, config.page_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
                                    reservation=config.kv_reservation,
@@ -361,7 +363,8 @@ class Engine:
             row.carry_feature = c.start > 0 and c.seq.seq_id not in fresh
         self._note_prefill(plan)
         verify = bool(plan.decode and plan.lookahead)
-        decode = self.speculation.verify_rows(plan.decode, self._row) if verify else []
+        decode = (self.speculation.verify_rows(plan.decode, self._row, bool(plan.prefill))
+                  if verify else [])
         if verify and not self.speculation.worth_verifying(plan.decode, decode):
             verify = False  # too few drafts (n-gram found few or none): plain is cheaper
         fed = []  # sequences whose row takes its input token on the device

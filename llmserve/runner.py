@@ -82,7 +82,7 @@ class Runner:
                  num_speculative_tokens: int = 0,
                  verify_buckets: Sequence[int] | None = None, eagle=None,
                  batch_invariant: bool = False, shardings=None, max_prefill_seqs: int = 8,
-                 ngram: Optional[tuple] = None):
+                 ngram: Optional[tuple] = None, max_verify_tokens: Optional[int] = None):
         # ``ngram`` = (n_max, n_min): verify steps look their n-gram drafts up on the device
         # (``ngram_device.verify_rows``); every step keeps each slot's token history for it.
         # ``shardings`` (llmserve.sharding.Shardings, or None for one device): the mesh this
@@ -143,7 +143,7 @@ class Runner:
             mixed_decode_buckets=mixed_decode_buckets,
             num_speculative_tokens=num_speculative_tokens, verify_buckets=verify_buckets,
             head=eagle is not None, batch_invariant=batch_invariant, min_rows=self.min_rows,
-            max_prefill_seqs=max_prefill_seqs)
+            max_prefill_seqs=max_prefill_seqs, max_verify_tokens=max_verify_tokens)
         self.programs = programs_for((
             cfg, backend, num_logprobs, self.min_rows, self.eagle_cfg, max_slots, num_pages,
             page_size, self.pages_per_seq, tuple(self.step_shapes()),
@@ -193,6 +193,11 @@ class Runner:
     def decode_bucket(self, n: int, mixed: bool = False, verify: bool = False) -> int:
         """See ``BatchBuilder.decode_bucket``."""
         return self.batches.decode_bucket(n, mixed, verify)
+
+    def verify_drafts(self, n: int, mixed: bool = False) -> int:
+        """Drafts each row of a verify step of n rows (``mixed``: beside prefill chunks) may
+        carry: see ``BatchBuilder.verify_drafts``."""
+        return self.batches.verify_drafts(self.decode_bucket(n, mixed, verify=True))
 
     def prefill_bucket(self, lengths: Sequence[int]) -> tuple[int, int]:
         """See ``BatchBuilder.prefill_bucket``."""

@@ -168,7 +168,8 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
 
     Verify rows [Bv, 1 + D] carry [last committed token, D drafts]; the drafts are already in
     ``inp.tokens`` (n-gram: written on the host) or enter here from ``drafts`` [Bv, D] (a draft
-    model's device output, never copied to the host). All 1 + D positions are scored by the one
+    model's device output, never copied to the host; a bucket whose rows carry fewer drafts,
+    ``BatchBuilder.verify_drafts``, takes the first ones). All 1 + D positions are scored by the one
     forward over the flat tokens; the pure verifier keeps the longest accepted prefix plus one
     target token. K/V written for rejected drafts is never read: attention stops at each
     sequence's length and the next step overwrites it. The other rows sample as usual.
@@ -214,8 +215,11 @@ def _step(params, cache: PagedKVCache, sstate: SamplerState, inp: StepInput,
         if ngram is not None:
             inp, drafts = ngram_device.verify_rows(inp, sstate, ngram)
             part = inp.parts[0]
+        if draft_probs is not None:  # [Bv, D, V]: a step of many rows may verify fewer
+            draft_probs = draft_probs[:, : w - 1]
         if drafts is not None:  # a draft model's tokens enter here, on the device
-            rows = inp.tokens[: bv * w].reshape(bv, w).at[:, 1:].set(drafts.astype(jnp.int32))
+            rows = inp.tokens[: bv * w].reshape(bv, w).at[:, 1:].set(
+                drafts[:, : w - 1].astype(jnp.int32))
             inp = inp.replace(tokens=jnp.concatenate([rows.reshape(-1), inp.tokens[bv * w:]]))
         if r == bv:
             inp = trim_verify_tokens(inp, bv, w)

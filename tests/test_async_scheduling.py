@@ -143,7 +143,8 @@ def test_speculation_runs_plain_steps_ahead_and_verifies_synchronously(tiny, mon
         "method": "ngram", "num_speculative_tokens": 2})
     turns = iter([True, False, False, False] * 1000)
     monkeypatch.setattr(eng.policy, "speculate",  # (True once the drafts are known)
-                        lambda ids, td, tv, num_draft=None: num_draft is not None or next(turns))
+                        lambda ids, td, tv, num_draft=None, room=None:
+                        num_draft is not None or next(turns))
     compiles = eng.runner.num_compilations()
     kinds = []
     real_prepare = eng.runner.prepare
@@ -222,7 +223,7 @@ def test_device_lookup_verify_steps_run_ahead(tiny, monkeypatch):
     assert eng.speculation.device_lookup
     coin = random.Random(0)
     monkeypatch.setattr(eng.policy, "speculate",
-                        lambda ids, td, tv, num_draft=None: coin.random() < 0.6)
+                        lambda ids, td, tv, num_draft=None, room=None: coin.random() < 0.6)
     kinds = []
     real_prepare = eng.runner.prepare
 

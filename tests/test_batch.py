@@ -59,6 +59,29 @@ def test_every_prepared_shape_is_compiled():
         b.decode_bucket(9)
 
 
+def test_verify_token_cap_narrows_the_rows_of_large_verify_buckets():
+    """``max_verify_tokens``: a verify bucket of b rows carries max(1, cap // b - 1) drafts a
+    row (at most D), its compiled width follows, a verify step of that bucket is built at that
+    width (and is one of the compiled shapes), and a row with more tokens is refused."""
+    b = _builder(num_speculative_tokens=5, max_verify_tokens=16,
+                 verify_buckets=[1, 2, 4, 8])
+    assert [b.verify_drafts(n) for n in (1, 2, 4, 8)] == [5, 5, 3, 1]
+    verify_shapes = [s for s in b.step_shapes() if s[2] > 1]
+    assert verify_shapes == [(1, None, 6), (2, None, 6), (4, None, 4), (8, None, 2),
+                             (8, (1, 8), 2), (8, (2, 16), 2)]
+    for n, width in [(1, 6), (3, 4), (5, 2)]:
+        rows = [_row(10, [1] * width, [1, 2, 3, 4], i) for i in range(n)]
+        batch = b.prepare(rows, verify=True)
+        part = batch.parts[0]
+        assert part.t == width
+        assert (part.block_tables.shape[0], None, part.t) in verify_shapes
+    with pytest.raises(ValueError, match="takes at most 4"):
+        b.prepare([_row(10, [1] * 5, [1, 2, 3, 4], i) for i in range(3)], verify=True)
+    assert _builder(num_speculative_tokens=5).verify_drafts(8) == 5  # no cap: D everywhere
+    with pytest.raises(ValueError, match="max_verify_tokens"):
+        _builder(max_verify_tokens=1)
+
+
 def test_live_counts_end_at_the_last_real_token_and_row():
     """``StepInput.live`` = (tokens, rows): every real token sits before live[0] and every real
     sampled row before live[1] (the native matmuls skip what follows); a verify row counts

@@ -331,6 +331,17 @@ def test_speculative_benchmark_compares_draft_lengths_side_by_side():
     with pytest.raises(ValueError, match="grounded_pairs"):
         check_config(cfg)
     cfg.grounded_pairs = ""
+    # The verify-token cap reaches speculative_config only when set (-1: the engine's default).
+    from experiments.speculative import spec_config
+
+    assert "max_verify_tokens" not in spec_config(cfg, {}, "ngram", True, 5)
+    cfg.max_verify_tokens = 0
+    assert spec_config(cfg, {}, "ngram", True, 5)["max_verify_tokens"] == 0
+    for bad in (1, -2):
+        cfg.max_verify_tokens = bad
+        with pytest.raises(ValueError, match="max_verify_tokens"):
+            check_config(cfg)
+    cfg.max_verify_tokens = -1
     # The longest R must fit the chat length limit too.
     cfg.draft_lengths = "4,16"
     cfg.chat_max_model_len = cfg.max_chat_prompt_tokens + 32 + 4

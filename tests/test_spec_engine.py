@@ -8,6 +8,7 @@ import pytest
 from llmserve.config import preset
 from llmserve.engine import Engine, EngineConfig
 from llmserve.model import init_params
+from llmserve.ops.attention import default_backend as eng_backend
 from llmserve.sampling_params import SamplingParams
 
 from .test_engine import make_engine as _make_engine
@@ -17,9 +18,13 @@ from .test_engine import run_all
 def make_engine(cfg, params, **kw):
     """One decode bucket, one verify bucket and one block-packed prefill bucket (up to 4
     chunks, 32 tokens): verify and draft shapes compile once per K, and the compiled set stays
-    small (5 step shapes; the default verify buckets 1, 2, 4, 8 made it 8)."""
+    small (5 step shapes; the default verify buckets 1, 2, 4, 8 made it 8). Verify rows carry
+    all K drafts (``max_verify_tokens=0``) unless a test caps them."""
     kw.setdefault("prefill_buckets", ((4, 8),))
     kw.setdefault("verify_buckets", (8,))
+    spec = kw.get("speculative_config")
+    if isinstance(spec, dict):
+        kw["speculative_config"] = {"max_verify_tokens": 0, **spec}
     return _make_engine(cfg, params, decode_buckets=(8,), **kw)
 
 
@@ -53,10 +58,12 @@ def test_verify_buckets_choose_the_verify_step_shapes(tiny):
         return ([s for s in eng.runner.step_shapes() if s[2] > 1],
                 eng.runner.batches.decode_bucket(1, verify=True))
 
-    assert verify_shapes() == ([(1, None, 3), (2, None, 3), (4, None, 3), (8, None, 3),
-                                (8, (4, 8), 3)], 1)
-    assert verify_shapes(verify_buckets=(2, 8)) == ([(2, None, 3), (8, None, 3),
-                                                     (8, (4, 8), 3)], 2)
+    # The "cpu" backend caps a verify step at 16 tokens: 8 rows carry 1 draft each.
+    width8 = 2 if eng_backend() == "cpu" else 3
+    assert verify_shapes() == ([(1, None, 3), (2, None, 3), (4, None, 3), (8, None, width8),
+                                (8, (4, 8), width8)], 1)
+    assert verify_shapes(verify_buckets=(2, 8)) == ([(2, None, 3), (8, None, width8),
+                                                     (8, (4, 8), width8)], 2)
 
 
 # The extremes of K per method (ngram 3 and draft 2 added 70 s of CI and no other path).
@@ -139,6 +146,51 @@ def test_bad_speculative_config(tiny):
     with pytest.raises(ValueError, match="method"):
         Engine(cfg, params, None, EngineConfig(max_model_len=64, max_num_seqs=2, page_size=4,
                                                speculative_config={"method": "magic"}))
+    for cap in (1, -3, "16", True, 2.5):
+        with pytest.raises(ValueError, match="max_verify_tokens"):
+            Engine(cfg, params, None, EngineConfig(
+                max_model_len=64, max_num_seqs=2, page_size=4,
+                speculative_config={"method": "ngram", "max_verify_tokens": cap}))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_capped_verify_buckets_carry_fewer_drafts_and_greedy_output_is_identical(tiny, method):
+    """``max_verify_tokens=8`` with D = 4: a verify step of 4 rows carries 1 draft a row, of 2
+    rows 3, of 1 row 4 (n-gram lookups are cut to the room; a draft model's D device drafts
+    enter the step cut to its width). The steps keep their compiled shapes, and the tokens
+    equal plain decoding's."""
+    cfg, params = tiny
+    prompts, lens = repetitive_workload(cfg, 10, seed=7)
+    sps = [SamplingParams(temperature=0, max_tokens=n + 4, ignore_eos=True) for n in lens]
+    kw = dict(max_num_seqs=4, decode_buckets=(4,), verify_buckets=(1, 2, 4),
+              prefill_buckets=((4, 8),))
+    want = run_all(_make_engine(cfg, params, **kw), prompts, sps)
+    spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False,
+            "max_verify_tokens": 8}
+    if method == "draft":
+        spec["model"] = (cfg, params)  # draft == target: every draft it makes is accepted
+    eng = _make_engine(cfg, params, speculative_config=spec, **kw)
+    assert sorted(s for s in eng.runner.step_shapes() if s[2] > 1 and s[1] is None) == [
+        (1, None, 5), (2, None, 4), (4, None, 2)]
+    widths = []  # (verify bucket, tokens per row) of every verify step
+    prepare = eng.runner.prepare
+
+    def spy(decode, prefill=(), verify=False, head_drafts=True):
+        batch = prepare(decode, prefill, verify, head_drafts)
+        if batch.verify:
+            widths.append((batch.parts[0].block_tables.shape[0], batch.parts[0].t))
+        return batch
+
+    eng.runner.prepare = spy
+    compiles = eng.runner.num_compilations()
+    got = run_all(eng, prompts, sps)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert eng.runner.num_compilations() == compiles
+    assert all(w == {1: 5, 2: 4, 4: 2}[b] for b, w in widths)
+    assert {2, 4} <= {b for b, _ in widths}  # narrowed buckets ran, each at its own width
+    assert eng.stats["spec_accepted"] > 0
+    if method == "draft":
+        assert eng.stats["spec_accepted"] == eng.stats["spec_proposed"]
 
 
 def test_never_slower_policy():
@@ -254,7 +306,7 @@ def test_draft_cache_caught_up_after_plain_decode_steps(tiny):
     eng = make_engine(cfg, params, speculative_config={
         "method": "draft", "model": (cfg, params), "num_speculative_tokens": 3})
     turns = iter([True, False, False, False] * 1000)  # verify, then 3 plain steps (> TAIL)
-    eng.policy.speculate = lambda *a: next(turns)
+    eng.policy.speculate = lambda *a, **kw: next(turns)
     got = run_all(eng, prompts, sps)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert eng.stats["spec_proposed"] > 0 and eng.stats.get("spec_decode_time_s", 0) > 0

@@ -106,3 +106,16 @@ def test_engine_wide_rate_averages_many_rows():
     for seq in range(10):
         pol.record(1000 + seq, 1, 0)
     assert pol.prior[0] > 0.8 * high
+
+
+def test_speculate_counts_the_verify_buckets_room_when_drafts_are_unknown():
+    """Before the drafts are known, each proposing row is expected to carry ``room`` drafts
+    (the verify bucket's, ``BatchBuilder.verify_drafts``), not R: a capped bucket's fewer
+    drafts earn fewer tokens, so the same step times can turn the choice to plain decoding."""
+    policy = SpeculationPolicy(5)  # priors 0.4, then 0.7: 2.11 tokens with 5 drafts, 1.4 with 1
+    policy.time("decode", 1, 1.0)
+    policy.time("verify", 1, 1.5)
+    assert policy.speculate([7], 1, 1)  # 2.11 / 1.5 > 1.1 / 1.0
+    assert policy.speculate([7], 1, 1, room=5)
+    assert not policy.speculate([7], 1, 1, room=1)  # 1.4 / 1.5 < 1.1
+    assert abs(policy.expected_tokens(7, 1) - 1.4) < 1e-9

@@ -28,6 +28,21 @@ def num_speculative_tokens(spec_cfg: Optional[dict]) -> int:
     return SpeculativeConfig.from_dict(spec_cfg).num_speculative_tokens
 
 
+CPU_MAX_VERIFY_TOKENS = 16  # SpeculativeConfig.max_verify_tokens=None on the "cpu" backend
+
+
+def max_verify_tokens(spec_cfg: Optional[dict], backend: str) -> Optional[int]:
+    """The cap on a verify step's tokens (``SpeculativeConfig.max_verify_tokens``; None: 16 on
+    the "cpu" backend, no cap elsewhere, where many tokens cost little more than a few; 0: no
+    cap). None is returned for no cap."""
+    if spec_cfg is None:
+        return None
+    cap = SpeculativeConfig.from_dict(spec_cfg).max_verify_tokens
+    if cap is None:
+        return CPU_MAX_VERIFY_TOKENS if backend == "cpu" else None
+    return cap or None
+
+
 def device_ngram(config, shardings=None) -> Optional[tuple]:
     """(n_max, n_min) when an engine of ``config`` (an ``EngineConfig``) looks its n-gram
     drafts up on the device, else None: n-gram speculation with ``prompt_lookup_on_device``,
@@ -193,7 +208,8 @@ class SpeculationController:
         ids = [s.seq_id for s in rows]
         n = len(rows)
         if not self.policy.speculate(ids, self.runner.decode_bucket(n),
-                                     self.runner.decode_bucket(n, verify=True)):
+                                     self.runner.decode_bucket(n, verify=True),
+                                     room=self.runner.verify_drafts(n)):
             return 0
         return self.spec.num_speculative_tokens
 
@@ -202,11 +218,12 @@ class SpeculationController:
         if self.spec is not None:
             self.proposer.copy_pages(copies)
 
-    def verify_rows(self, seqs: list, row: Callable) -> list:
+    def verify_rows(self, seqs: list, row: Callable, mixed: bool = False) -> list:
         """Each sequence's verify row: its last token, then the drafts the proposer gives it
         (placeholders when the drafts come from the device inside the step). ``row(seq, start,
-        tokens, emit)`` is the engine's ``ScheduledRow`` for a sequence."""
-        d = self.spec.num_speculative_tokens
+        tokens, emit)`` is the engine's ``ScheduledRow`` for a sequence; ``mixed``: the step
+        carries prefill chunks too (its verify bucket, and so its rows' room, is the largest)."""
+        d = self.runner.verify_drafts(len(seqs), mixed)
         room = np.zeros(len(seqs), np.int32)  # drafts each row may carry (max_model_len, policy)
         for i, seq in enumerate(seqs):
             if self.policy.proposes(seq.seq_id):
@@ -214,7 +231,7 @@ class SpeculationController:
         if self.device_lookup:
             # The step looks each row's drafts up (at most its room). A row whose last token is
             # still in flight is fed: the device places it after that step's tokens.
-            self._predicted = sum(self.policy.expected_tokens(seq.seq_id) for seq in seqs)
+            self._predicted = sum(self.policy.expected_tokens(seq.seq_id, d) for seq in seqs)
             rows = []
             for seq, k in zip(seqs, room):
                 fed = bool(seq.pending or seq.verifying)

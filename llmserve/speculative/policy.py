@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclasses.dataclass
@@ -23,6 +23,13 @@ class SpeculativeConfig:
     # knowing whether a row has drafts (measured: verify/decode step 1.37 vs 1.51 at batch 1,
     # the same speedup; README "Speculative decoding"). False: looked up on the host.
     prompt_lookup_on_device: bool = False
+    # A verify step of b rows carries at most max(1, max_verify_tokens // b - 1) drafts a row
+    # (BatchBuilder.verify_drafts). On a CPU a step's matmuls turn compute-bound past ~16
+    # tokens, so at batch 4 (24 tokens at D = 5) a verify step cost 2.4 decode steps; with 3
+    # drafts a row (16 tokens) n-gram ran 1.14x [1.01-1.45] against 1.08x [0.90-1.32] at D = 5
+    # (results/speculative/20261207-141310). None: 16 on the "cpu" backend, else no cap; 0:
+    # no cap (every bucket verifies D drafts a row).
+    max_verify_tokens: Optional[int] = None
 
     @classmethod
     def from_dict(cls, d) -> "SpeculativeConfig":
@@ -38,6 +45,12 @@ class SpeculativeConfig:
                              "or 'eagle'")
         if not 1 <= cfg.num_speculative_tokens <= 16:
             raise ValueError("speculative_config.num_speculative_tokens must be in [1, 16]")
+        cap = cfg.max_verify_tokens
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int)
+                                or cap < 2 and cap != 0):
+            raise ValueError(f"speculative_config.max_verify_tokens={cap!r}: "
+                             "must be an int >= 2 (a row's token and one draft), 0 (no cap) "
+                             "or None (the backend's default)")
         if not isinstance(cfg.prompt_lookup_on_device, bool):
             raise TypeError("speculative_config.prompt_lookup_on_device="
                             f"{cfg.prompt_lookup_on_device!r}: must be bool")
@@ -137,17 +150,19 @@ class SpeculationPolicy:
         return total
 
     def speculate(self, seq_ids, decode_bucket: int, verify_bucket: int,
-                  num_draft=None) -> bool:
+                  num_draft=None, room: int | None = None) -> bool:
         """Whether verifying beats decoding for these rows (steps timed per bucket).
 
         ``num_draft``: the drafts each row actually carries when known (n-gram proposals are
-        made on the host first), else R for every proposing row."""
+        made on the host first), else ``room`` (the verify bucket's drafts a row; default R)
+        for every proposing row."""
         if not self.adaptive:
             return True
         td, tv = self.t_decode.get(decode_bucket), self.t_verify.get(verify_bucket)
         if td is None or tv is None:
             return True
-        counts = [None] * len(seq_ids) if num_draft is None else [int(n) for n in num_draft]
+        counts = ([room] * len(seq_ids) if num_draft is None
+                  else [int(n) for n in num_draft])
         gain = sum(self.expected_tokens(s, n) for s, n in zip(seq_ids, counts)) / tv
         return gain > (1 + self.margin) * len(seq_ids) / td
 
