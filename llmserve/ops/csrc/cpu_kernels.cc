@@ -1040,12 +1040,19 @@ inline void GemmKNTile(const uint16_t* x, int64_t k_dim, int64_t m0, const uint1
   const int64_t pairs = k_dim / 2;
   // In the [K, N] layout the block's rows are n * 2 bytes apart: each lands on another 4 KiB
   // page, where hardware prefetchers stop, so the first row tile fetches kPrefetch pairs of
-  // rows ahead itself (the blocked layout's rows are contiguous; the prefetch is harmless).
+  // rows ahead itself. The blocked layout's rows are contiguous: there the hardware prefetcher
+  // alone serves tiles of 3+ rows better. SmolLM2's 30 layers of blocked bf16 weights on 2
+  // threads (a /tmp harness, both alternated): 6 / 12 / 16 / 32 rows 6.1-6.3 / 8.1-8.7 /
+  // 9.7-10.2 / 18.5 ms without against 6.8-6.9 / 9.8-9.9 / 11.5-11.7 / 20.1 ms with; at 1-2
+  // rows it still gains ~3%. A whole step's weight pass (experiments/matmul.py's, three
+  // alternated runs each): 8 rows 11.7-12.8 against 13.1-15.2 ms, 6 rows 11.4-11.6 against
+  // 11.6-12.7; fp32 (GemmKNTileF32, the same rule) 8 rows 20.7-21.8 against 21.4-22.9.
   constexpr int64_t kPrefetch = 32;
+  const bool prefetch = m0 == 0 && (ldw != kBlockedColumns || MR < 3);
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const uint16_t* w0 = wb + (2 * kp) * ldw;
     const uint16_t* w1 = w0 + ldw;
-    if (m0 == 0 && kp + kPrefetch < pairs) {
+    if (prefetch && kp + kPrefetch < pairs) {
       const char* p0 = reinterpret_cast<const char*>(w0 + 2 * kPrefetch * ldw);
       const char* p1 = p0 + 2 * ldw;
       for (int v = 0; v < NV; ++v) {
@@ -1453,9 +1460,11 @@ inline void GemmKNTileF32(const float* x, int64_t k_dim, int64_t m0, const float
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
   const float* xr = x + m0 * k_dim;
   constexpr int64_t kPrefetch = 16;  // rows ahead ([K, N]: each row of the block on another page)
+  // (blocked, contiguous rows: the hardware's prefetch alone for 3+ rows, as in GemmKNTile)
+  const bool prefetch = m0 == 0 && (ldw != kBlockedColumns || MR < 3);
   for (int64_t k = 0; k < k_dim; ++k) {
     const float* wr = wb + k * ldw;
-    if (m0 == 0 && k + kPrefetch < k_dim) {
+    if (prefetch && k + kPrefetch < k_dim) {
       const char* p = reinterpret_cast<const char*>(wr + kPrefetch * ldw);
       for (int v = 0; v < NV; ++v) _mm_prefetch(p + 64 * v, _MM_HINT_T0);
     }
