@@ -89,9 +89,12 @@ def custom_call_targets(dump_dir: str, rows: int) -> dict[str, str]:
             text = fh.read()
         calls = re.findall(r"%?([\w.\-]+) = (\w+)\[([\d,]*)\][^\n]*"
                            r"custom_call_target=\"([^\"]+)\"", text)
+        # calls with several outputs (a tuple type: the fused blocked matmuls) by name only
+        tuples = re.findall(r"%?([\w.\-]+) = \([^\n]*custom_call_target=\"([^\"]+)\"", text)
         shapes = {dims for _, _, dims, target in calls if "attention" in target}
         if shapes and all(d.split(",")[:2] == [str(rows), "1"] for d in shapes):
             best = {name: target for name, _, _, target in calls}
+            best.update(dict(tuples))
             break
     return best
 

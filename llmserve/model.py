@@ -207,6 +207,33 @@ def _dense(features: int, name: str, cfg: ModelConfig, bias: bool = False,
     return Dense(features, use_bias=bias, dtype=cfg.jnp_dtype, native=native, name=name)
 
 
+def _fused_dense(module: nn.Module, names: tuple, x: Array, live: Array | None,
+                 native: bool | str) -> list | None:
+    """The outputs ([..., F_j] float32) of ``module``'s child Dense layers ``names`` applied to
+    x, in one native call (``cpu_kernels.matmul_blocked_many``: a layer's q/k/v or gate/up
+    share the threads as one matmul's blocks do), or None where that does not apply: not the
+    "cpu" backend's native matmuls, weights not yet there (``init``) or not all blocked, or
+    ``LLMSERVE_FUSED_MATMULS=0``. Bitwise what the layers compute one by one."""
+    if not native:
+        return None
+    params = module.variables.get("params", {})
+    layers = [params.get(name, {}) for name in names]
+    kernels = [layer.get("kernel") for layer in layers]
+    if any(k is None for k in kernels) or not cpu_kernels.fused_matmuls_apply(kernels):
+        return None
+    lead, d = x.shape[:-1], x.shape[-1]
+    rows = int(np.prod(lead, dtype=np.int64))
+    x2 = x.reshape(rows, d).astype(kernels[0].dtype)
+    outs = cpu_kernels.matmul_blocked_many(x2, kernels, live)
+    result = []
+    for layer, y in zip(layers, outs):
+        y = y.reshape(*lead, y.shape[-1])
+        if "bias" in layer:
+            y = y + layer["bias"].astype(jnp.float32)
+        result.append(y)
+    return result
+
+
 class Attention(nn.Module):
     """Grouped-query attention: N query heads over K kv heads; K/V are never repeated."""
 
@@ -222,9 +249,11 @@ class Attention(nn.Module):
         n, k, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         native = backend == "cpu" and native_matmul
         live = getattr(meta, "live_tokens", None)  # a step's real tokens (the rest: padding)
-        q = _dense(n * h, "q_proj", cfg, cfg.qkv_bias, native)(x, live).reshape(b, t, n, h)
-        kk = _dense(k * h, "k_proj", cfg, cfg.qkv_bias, native)(x, live).reshape(b, t, k, h)
-        vv = _dense(k * h, "v_proj", cfg, cfg.qkv_bias, native)(x, live).reshape(b, t, k, h)
+        fused = _fused_dense(self, ("q_proj", "k_proj", "v_proj"), x, live, native)
+        if fused is None:
+            fused = [_dense(f, name, cfg, cfg.qkv_bias, native)(x, live) for f, name in
+                     ((n * h, "q_proj"), (k * h, "k_proj"), (k * h, "v_proj"))]
+        q, kk, vv = (y.reshape(b, t, heads, h) for y, heads in zip(fused, (n, k, k)))
         if rope is None:
             rope = rope_tables(meta.positions, rope_frequencies(cfg))
         # RoPE in f32; attention then reads q and the cache in the storage dtype (f32 dots).
@@ -245,8 +274,11 @@ class MLP(nn.Module):
                  live_rows: Array | None = None) -> Array:
         """``live_rows``: see ``matmul_f32``."""
         cfg = self.cfg
-        gate = _dense(cfg.ffn_dim, "gate_proj", cfg, native=native)(x, live_rows)
-        up = _dense(cfg.ffn_dim, "up_proj", cfg, native=native)(x, live_rows)
+        fused = _fused_dense(self, ("gate_proj", "up_proj"), x, live_rows, native)
+        if fused is None:
+            fused = [_dense(cfg.ffn_dim, name, cfg, native=native)(x, live_rows)
+                     for name in ("gate_proj", "up_proj")]
+        gate, up = fused
         return _dense(cfg.d_model, "down_proj", cfg, native=native)(nn.silu(gate) * up,
                                                                      live_rows)
 

@@ -384,3 +384,22 @@ def test_sampler_benchmark_times_both_paths_and_they_agree():
         pytest.skip("the native sampler runs on CPU only")
     r = sampler.point(4, 300, {"temperature": 0.7, "top_k": 20, "top_p": 0.9}, iters=2)
     assert r["differing"] == 0 and r["draws"] == 12 and r["native"] > 0 and r["jnp"] > 0
+
+
+def test_step_profile_names_the_targets_of_single_and_tuple_custom_calls(tmp_path):
+    """The profile attributes an FFI call by its custom-call target, read from XLA's optimized
+    HLO: a call with one output and one with several (the fused blocked matmuls, a tuple) are
+    both found, in the decode program of the traced row count only."""
+    from experiments.step_profile import custom_call_targets, part_of
+
+    hlo = ('%custom-call.1 = f32[4,1,9,64]{3,2,1,0} custom-call(%a), '
+           'custom_call_target="llmserve_paged_attention_cpu"\n'
+           '%custom-call.2 = (f32[4,576]{1,0}, f32[4,192]{1,0}) custom-call(%b, %c), '
+           'custom_call_target="llmserve_matmul_blocked_many_cpu"\n')
+    (tmp_path / "m1.after_optimizations.txt").write_text(hlo.replace("[4,1,", "[8,1,"))
+    (tmp_path / "m2.after_optimizations.txt").write_text(hlo)
+    targets = custom_call_targets(str(tmp_path), 4)
+    assert targets == {"custom-call.1": "llmserve_paged_attention_cpu",
+                       "custom-call.2": "llmserve_matmul_blocked_many_cpu"}
+    assert part_of("custom-call.2", targets["custom-call.2"]) == "matmul"
+    assert part_of("custom-call.1", targets["custom-call.1"]) == "attention"

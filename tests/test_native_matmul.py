@@ -477,3 +477,81 @@ def test_an_engine_blocks_its_weights_and_serves_the_same_tokens(dtype, monkeypa
                          use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [ids for ids, _ in want]
     assert spec.engine.stats["spec_accepted"] > 0
+
+
+# ---- several blocked matmuls of one x in one call (cpu_kernels.matmul_blocked_many) ----
+
+@pytest.mark.parametrize("dtype", [
+    pytest.param(jnp.bfloat16, marks=needs_blocked_bf16),
+    pytest.param(jnp.float32, marks=needs_blocked_f32)])
+@pytest.mark.parametrize("m,live,k,ns", [
+    (1, 1, 576, (576, 192, 192)), (7, 5, 576, (576, 192, 192)), (16, 16, 576, (1536, 1536)),
+    (64, 60, 576, (576, 192, 192)), (3, 3, 64, (64,))])
+def test_one_call_over_several_blocked_weights_is_bitwise_each_weights_own_call(
+        dtype, m, live, k, ns):
+    """Each output is bitwise the single matmul's (the same tiles in the same order), padding
+    rows past ``live`` are zeros, across one to three weights, the tile sizes and the row-chunk
+    split (64 rows over 15 blocks); and against the plain-jnp reference."""
+    f = cpa.matmul_bf16_cpu if dtype == jnp.bfloat16 else cpa.matmul_f32_cpu
+    ws = [cpa.block_weight(_inputs(m, k, n, False, seed=j, dtype=dtype)[1])
+          for j, n in enumerate(ns)]
+    x = _inputs(m, k, 64, False, seed=9, dtype=dtype)[0]
+    got = jax.jit(cpa.matmul_blocked_many)(x, ws, jnp.int32(live))
+    assert [g.shape for g in got] == [(m, n) for n in ns]
+    for g, w in zip(got, ws):
+        g = np.asarray(g)
+        np.testing.assert_array_equal(g, np.asarray(jax.jit(f, static_argnums=2)(
+            x, w, False, jnp.int32(live))))
+        assert not g[live:].any()
+        want = np.asarray(cpa.matmul_bf16_reference(x, w))[:live]
+        assert (np.abs(g[:live] - want) <= _bound(x, cpa.unblock_weight(w), False)[:live]).all()
+
+
+@needs_blocked_bf16
+def test_bad_weights_for_the_fused_call_are_named(monkeypatch):
+    x, w = _inputs(3, 64, 128, False)
+    b = cpa.block_weight(w)
+    for bad in ([b, w], [b, cpa.block_weight(_inputs(3, 96, 128, False)[1])],
+                [b, b.astype(jnp.float32)], [b] * 9, []):
+        with pytest.raises(ValueError, match="blocked weights"):
+            cpa.matmul_blocked_many(x, bad)
+    with pytest.raises(ValueError, match="blocked weights"):
+        cpa.matmul_blocked_many(x.astype(jnp.float32), [b])
+    monkeypatch.setenv("LLMSERVE_FUSED_MATMULS", "0")
+    assert not cpa.fused_matmuls_apply([b])
+
+
+@needs_blocked_bf16
+@needs_blocked_f32
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_layers_qkv_and_gate_up_run_as_one_call_each_with_bitwise_the_same_logits(
+        dtype, bias, monkeypatch):
+    """tiny-mha (q, k, v, gate and up all blockable) with blocked kernels on the "cpu" backend:
+    one fused call for q/k/v and one for gate/up per layer (2 per layer in the program, and
+    the single matmuls only for o and down), bitwise the logits of the unfused program
+    (``LLMSERVE_FUSED_MATMULS=0``), q/k/v biases included."""
+    monkeypatch.setenv("LLMSERVE_NATIVE_MATMUL", "1")
+    cfg = preset("tiny-mha").replace(dtype=dtype, qkv_bias=bias)
+    params = init_params(cfg)
+    if bias:  # non-zero biases, so adding them is checked
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, v: v + 0.5 if "bias" in jax.tree_util.keystr(p) else v, params)
+    blocked = cpa.block_params(params, cfg.jnp_dtype)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+    meta = AttentionMetadata.for_dense(positions, jnp.full((2,), 7, jnp.int32))
+    cache = DenseKVCache.create(cfg, batch=2, max_len=7)
+
+    def program():
+        return jax.jit(lambda p, t, m, c: Transformer(cfg).apply({"params": p}, t, m, c,
+                                                                 backend="cpu")[0])
+
+    fused_text = program().lower(blocked, tokens, meta, cache).as_text()
+    assert fused_text.count("llmserve_matmul_blocked_many_cpu") == 2 * cfg.n_layers
+    fused = np.asarray(program()(blocked, tokens, meta, cache))
+    monkeypatch.setenv("LLMSERVE_FUSED_MATMULS", "0")
+    assert "llmserve_matmul_blocked_many_cpu" not in program().lower(
+        blocked, tokens, meta, cache).as_text()
+    np.testing.assert_array_equal(fused, np.asarray(program()(blocked, tokens, meta, cache)))
+    np.testing.assert_array_equal(fused, np.asarray(program()(params, tokens, meta, cache)))

@@ -64,7 +64,8 @@ TARGETS = {"llmserve_paged_attention_cpu": "LlmservePagedAttention",
            "llmserve_row_argmax_cpu": "LlmserveRowArgmax",
            "llmserve_sample_cpu": "LlmserveSample",
            "llmserve_matmul_bf16_cpu": "LlmserveMatmulBf16",
-           "llmserve_matmul_f32_cpu": "LlmserveMatmulF32"}  # XLA name -> C symbol
+           "llmserve_matmul_f32_cpu": "LlmserveMatmulF32",
+           "llmserve_matmul_blocked_many_cpu": "LlmserveMatmulBlockedMany"}  # XLA name -> C
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cc"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared",
          "-fPIC", "-w")
@@ -289,6 +290,41 @@ def blocked_matmul_supported(dtype) -> bool:
     if jnp.dtype(dtype) == jnp.float32:
         return has_f32_matmul() and cpu_has_avx512()
     return False
+
+
+FUSED_MATMULS_OPT_OUT = "LLMSERVE_FUSED_MATMULS"  # "0": a layer's q/k/v and gate/up apart
+
+
+def fused_matmuls_apply(weights) -> bool:
+    """Whether ``matmul_blocked_many`` serves these weights: all blocked ([N / 64, K, 64]), of
+    one dtype and K, on a CPU whose native matmul takes blocked weights of that dtype (the
+    choice is made at trace time), unless ``LLMSERVE_FUSED_MATMULS=0``."""
+    if os.environ.get(FUSED_MATMULS_OPT_OUT) == "0" or not 1 <= len(weights) <= 8:
+        return False
+    first = weights[0]
+    return (all(getattr(w, "ndim", 0) == 3 and w.shape[1:] == first.shape[1:]
+                and w.shape[2] == BLOCK_COLUMNS and w.dtype == first.dtype for w in weights)
+            and blocked_matmul_supported(first.dtype))
+
+
+def matmul_blocked_many(x: Array, weights, live_rows: Optional[Array] = None) -> list:
+    """x [M, K] @ each blocked w_j [N_j / 64, K, 64] (x's dtype, bf16 or float32) -> a list of
+    [M, N_j] float32, in one native call whose work items are all the weights' column blocks
+    (a layer's q/k/v or gate/up: the threads share them as they would one matmul's). Bitwise
+    equal to ``matmul_bf16_cpu`` / ``matmul_f32_cpu`` of each weight alone; ``live_rows``: as
+    there. Serving only (no derivative)."""
+    weights = list(weights)
+    if x.ndim != 2 or not fused_matmuls_apply(weights) or x.dtype != weights[0].dtype or (
+            x.shape[1] != weights[0].shape[1]):
+        raise ValueError(f"want x [M, K] and 1-8 blocked weights [N / {BLOCK_COLUMNS}, K, "
+                         f"{BLOCK_COLUMNS}] of x's dtype, on a CPU that takes them; got x "
+                         f"{x.dtype}{x.shape}, w {[(w.dtype, w.shape) for w in weights]}")
+    _require()
+    shapes = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0] * BLOCK_COLUMNS), jnp.float32)
+              for w in weights]
+    call = jax.ffi.ffi_call("llmserve_matmul_blocked_many_cpu", shapes,
+                            vmap_method="sequential")
+    return list(call(x, _live(x, live_rows), *weights))
 
 
 def blocked_weights_apply(dtype) -> bool:
