@@ -389,17 +389,23 @@ def test_sampler_benchmark_times_both_paths_and_they_agree():
 def test_step_profile_names_the_targets_of_single_and_tuple_custom_calls(tmp_path):
     """The profile attributes an FFI call by its custom-call target, read from XLA's optimized
     HLO: a call with one output and one with several (the fused blocked matmuls, a tuple) are
-    both found, in the decode program of the traced row count only."""
-    from experiments.step_profile import custom_call_targets, part_of
-
+    both found, in the decode program of the traced row count only. (In a fresh interpreter:
+    experiments.step_profile defines the absl flag --config, as experiments.speculative,
+    imported by other tests here, does.)"""
     hlo = ('%custom-call.1 = f32[4,1,9,64]{3,2,1,0} custom-call(%a), '
            'custom_call_target="llmserve_paged_attention_cpu"\n'
            '%custom-call.2 = (f32[4,576]{1,0}, f32[4,192]{1,0}) custom-call(%b, %c), '
            'custom_call_target="llmserve_matmul_blocked_many_cpu"\n')
     (tmp_path / "m1.after_optimizations.txt").write_text(hlo.replace("[4,1,", "[8,1,"))
     (tmp_path / "m2.after_optimizations.txt").write_text(hlo)
-    targets = custom_call_targets(str(tmp_path), 4)
-    assert targets == {"custom-call.1": "llmserve_paged_attention_cpu",
-                       "custom-call.2": "llmserve_matmul_blocked_many_cpu"}
-    assert part_of("custom-call.2", targets["custom-call.2"]) == "matmul"
-    assert part_of("custom-call.1", targets["custom-call.1"]) == "attention"
+    code = (
+        "import sys\n"
+        "from experiments.step_profile import custom_call_targets, part_of\n"
+        "t = custom_call_targets(sys.argv[1], 4)\n"
+        "assert t == {'custom-call.1': 'llmserve_paged_attention_cpu',\n"
+        "             'custom-call.2': 'llmserve_matmul_blocked_many_cpu'}, t\n"
+        "assert part_of('custom-call.2', t['custom-call.2']) == 'matmul'\n"
+        "assert part_of('custom-call.1', t['custom-call.1']) == 'attention'\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
