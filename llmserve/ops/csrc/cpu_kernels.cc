@@ -1656,17 +1656,18 @@ ffi::Error MatmulBlockedManyImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     float* op = ops[j];
     if (r0 == 0) ZeroPaddingRows(op, m_dim, rows, n, ln0, ln0 + kBlockedColumns);
     if (r1 <= r0) return;
-    const int64_t wofs = (block - first_block[j]) * k_dim * kBlockedColumns;
+    int64_t ldw;
     if (bf16) {
 #if defined(__AVX512BF16__)
       const uint16_t* xr = static_cast<const uint16_t*>(x.untyped_data()) + r0 * k_dim;
-      const uint16_t* wb = static_cast<const uint16_t*>(wps[j]) + wofs;
-      GemmKNColumns<2>(xr, r1 - r0, k_dim, wb, kBlockedColumns, n, ln0, op + r0 * n);
+      const uint16_t* wb = KNBlock(static_cast<const uint16_t*>(wps[j]), true, k_dim, n, ln0,
+                                   &ldw);
+      GemmKNColumns<2>(xr, r1 - r0, k_dim, wb, ldw, n, ln0, op + r0 * n);
 #endif
     } else {
       const float* xr = static_cast<const float*>(x.untyped_data()) + r0 * k_dim;
-      const float* wb = static_cast<const float*>(wps[j]) + wofs;
-      GemmKNColumnsF32<4>(xr, r1 - r0, k_dim, wb, kBlockedColumns, n, ln0, op + r0 * n);
+      const float* wb = KNBlock(static_cast<const float*>(wps[j]), true, k_dim, n, ln0, &ldw);
+      GemmKNColumnsF32<4>(xr, r1 - r0, k_dim, wb, ldw, n, ln0, op + r0 * n);
     }
   });
   return ffi::Error::Success();
