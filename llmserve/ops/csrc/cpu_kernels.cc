@@ -530,15 +530,26 @@ LLMSERVE_INLINE void PageRows(const Dims& d, const float* q_scaled, const PT* kp
 #if defined(__AVX512BF16__)
   if constexpr (kPairs) {  // bf16 q and K: s[r] = (q[r] . k[i]) * scale, two dims per op
     const uint32_t* qp = reinterpret_cast<const uint32_t*>(q_scaled);  // raw bf16 pairs
-    for (int64_t e = 0; e < H / 2; ++e) {
-      const __m512bh ke = (__m512bh)_mm512_loadu_si512(kt2 + e * L);
-      for (int r = 0; r < NR; ++r) {
-        const __m512bh qe = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * (H / 2) + e]));
-        s[r] = _mm512_dpbf16_ps(s[r], qe, ke);
+    // Four partial sums a row (dim pairs e = 4i + c), added at the end in a fixed tree: one
+    // running sum made a chain of H/2 dependent vdpbf16ps per row, latency-bound with 3-4 rows.
+    constexpr int kC = 4;
+    __m512 sp[kC][NR];
+    for (int c = 0; c < kC; ++c)
+      for (int r = 0; r < NR; ++r) sp[c][r] = _mm512_setzero_ps();
+    for (int64_t e0 = 0; e0 < H / 2; e0 += kC) {
+      for (int c = 0; c < kC; ++c) {
+        const int64_t e = e0 + c;
+        const __m512bh ke = (__m512bh)_mm512_loadu_si512(kt2 + e * L);
+        for (int r = 0; r < NR; ++r) {
+          const __m512bh qe = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * (H / 2) + e]));
+          sp[c][r] = _mm512_dpbf16_ps(sp[c][r], qe, ke);
+        }
       }
     }
     const __m512 sc = _mm512_set1_ps(d.scale);
-    for (int r = 0; r < NR; ++r) s[r] = _mm512_mul_ps(s[r], sc);
+    for (int r = 0; r < NR; ++r)
+      s[r] = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(sp[0][r], sp[1][r]),
+                                         _mm512_add_ps(sp[2][r], sp[3][r])), sc);
   } else
 #endif
   {  // s[r][i] = q[r] . k[i]: per key H/16 multiply-adds, then one tree over the 16 keys
