@@ -226,6 +226,39 @@ def test_report_keeps_cells_and_sections_it_has_no_run_for(tmp_path):
                                                             "`cmd`"]
 
 
+def test_flash_cell_needs_the_full_runs_longest_prompt(tmp_path):
+    """A kernels run cut short (``--config.memory_tokens=1024``, newer) does not replace the
+    flash row's memory claim with its 1x at 1024 tokens: the cell comes from the older run that
+    measured the full config's longest prompt."""
+    import importlib.util
+
+    from experiments import report
+
+    spec = importlib.util.spec_from_file_location("kernels_cfg", "configs/kernels.py")
+    cfg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cfg)
+    longest = max(int(t) for t in cfg.get_config("full").memory_tokens.split(","))
+    assert report.FLASH_MEMORY_TOKENS == longest
+    results = tmp_path / "results"
+    for stamp, tokens, ratio in (("20261201-000000", longest, 220.0),
+                                 ("20261207-000000", 1024, 1.0)):
+        run = results / "kernels" / stamp
+        run.mkdir(parents=True)
+        (run / "results.json").write_text(json.dumps({
+            "name": "full", "summary": {"memory_ratio": ratio, "memory_tokens": tokens,
+                                        "naive_temp_mib": 73.0 * ratio, "flash_temp_mib": 73.0},
+            "command": f"python -m experiments.kernels {stamp}",
+            "machine": {"time": stamp[:4] + "-12-0" + stamp[7], "jax_backend": "cpu"},
+            "notes": [], "plots": []}))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    cells = report.table_cells(report.build(str(results), str(docs), False, {})[0])
+    flash = cells["Flash attention"]
+    assert f"220x less attention scratch memory at {longest} tokens" in flash[0]
+    assert "20261201-000000" in flash[2]
+    assert "?" in report.flash_cell({"memory_ratio": 1.0, "memory_tokens": 1024})
+
+
 def test_batching_cell_names_the_yardsticks_a_run_measured():
     from experiments.report import batching_cell
 
