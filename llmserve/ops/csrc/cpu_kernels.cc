@@ -533,6 +533,7 @@ LLMSERVE_INLINE void PageRows(const Dims& d, const float* q_scaled, const PT* kp
     // Four partial sums a row (dim pairs e = 4i + c), added at the end in a fixed tree: one
     // running sum made a chain of H/2 dependent vdpbf16ps per row, latency-bound with 3-4 rows.
     constexpr int kC = 4;
+    static_assert((H / 2) % kC == 0, "whole groups of kC dim pairs");
     __m512 sp[kC][NR];
     for (int c = 0; c < kC; ++c)
       for (int r = 0; r < NR; ++r) sp[c][r] = _mm512_setzero_ps();
@@ -1119,8 +1120,8 @@ inline void GemmKNColumns(const uint16_t* x, int64_t m_dim, int64_t k_dim, const
 
 constexpr int64_t kNKBlock = 64;  // vocabulary rows per work item of the [N, K] matmul
 
-// Four vocabulary rows (n0..n0 + 4) x MR <= 6 x rows: 4 MR accumulators of 32-dim products.
-// Row m's four logits go to out + m * kNKBlock (out: the tile's place in its row tile's
+// NJ (4 or 8) vocabulary rows (n0..n0 + NJ) x MR <= 6 x rows: NJ MR accumulators of 32-dim
+// products. Row m's NJ logits go to out + m * kNKBlock (out: the tile's place in its row tile's
 // [MR, kNKBlock] scratch, GemmNKRowTile).
 template <int MR, int NJ = 4>
 inline void GemmNKTile(const uint16_t* x, int64_t k_dim, int64_t m0, const uint16_t* w,
