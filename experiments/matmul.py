@@ -13,7 +13,8 @@ the kernels the "cpu" backend may pick; AVX512_BF16 for bf16, AVX-512F for fp32)
 has them (the "cpu" backend takes whichever `cpu_kernels.native_matmul_wins` says is faster),
 and again with the layers' [K, N] weights in the native kernels' blocked layout
 (``cpu_kernels.block_weight``: what ``Runner`` passes them as where
-``cpu_kernels.blocked_weights_apply``). Prints the table (ms per call, bf16/fp32, XLA/native and
+``cpu_kernels.blocked_weights_apply``; bf16 in the paired layout where the native matmuls run
+on AMX tiles, ``cpu_kernels.amx_matmul``). Prints the table (ms per call, bf16/fp32, XLA/native and
 native/blocked ratios); writes results/matmul/matmul_<platform>.json.
 """
 
@@ -94,8 +95,9 @@ def main(argv):
             results[f"{name}_native"] = {r: time_ms(weights, r, _ITERS.value, "always")
                                          for r in rows}
         if cpu_kernels.blocked_matmul_supported(dtype):  # the same values, blocked
-            weights["layers"] = [{key: cpu_kernels.block_weight(w) for key, w in layer.items()}
-                                 for layer in weights["layers"]]
+            paired = cpu_kernels.paired_weights_apply(dtype)  # as Runner lays them out
+            weights["layers"] = [{key: cpu_kernels.block_weight(w, paired=paired)
+                                  for key, w in layer.items()} for layer in weights["layers"]]
             results[f"{name}_blocked"] = {r: time_ms(weights, r, _ITERS.value, "always")
                                           for r in rows}
         del weights
@@ -110,14 +112,15 @@ def main(argv):
              for r in rows]
     print(f"\nSmolLM2-135M weight matmuls per step ({jax.default_backend()}, "
           f"{os.cpu_count()} cores, cpu bf16 flags: {cpu_has_bf16_matmul()}, "
-          f"auto dtype: {auto_dtype()})")
+          f"auto dtype: {auto_dtype()}, AMX tiles: {cpu_kernels.amx_matmul()})")
     print(markdown_table(["rows", "bf16 XLA (ms)", "bf16 native (ms)", "bf16 native blocked (ms)",
                           "fp32 XLA (ms)", "fp32 native (ms)", "fp32 native blocked (ms)",
                           "bf16/fp32 (XLA)", "bf16 XLA/native", "fp32 XLA/native",
                           "bf16 native/blocked", "fp32 native/blocked"], table))
     path = write_json(os.path.join(_OUT.value, f"matmul_{jax.default_backend()}.json"), {
         "rows": rows, "ms": results, "iters": _ITERS.value,
-        "cpu_bf16_matmul": cpu_has_bf16_matmul(), "auto_dtype": auto_dtype()})
+        "cpu_bf16_matmul": cpu_has_bf16_matmul(), "auto_dtype": auto_dtype(),
+        "amx_matmul": cpu_kernels.amx_matmul()})
     print(f"wrote {path}")
 
 

@@ -135,7 +135,8 @@ def matmul_f32(x: Array, w: Array, transpose_w: bool = False,
     if blocked and not (native and not transpose_w
                         and cpu_kernels.blocked_matmul_supported(w.dtype)):
         w, blocked = cpu_kernels.unblock_weight(w), False
-    f = w.shape[0] * w.shape[2] if blocked else (w.shape[0] if transpose_w else w.shape[1])
+    f = w.shape[0] * cpu_kernels.BLOCK_COLUMNS if blocked else (
+        w.shape[0] if transpose_w else w.shape[1])
     if native and native != "always" and not blocked:  # (blocked: native at every row count)
         native = cpu_kernels.native_matmul_wins(w.dtype, rows)
     if native and w.dtype == jnp.bfloat16 and cpu_kernels.matmul_bf16_supported(
@@ -166,11 +167,13 @@ class Dense(nn.Module):
     @nn.compact
     def __call__(self, x: Array, live_rows: Array | None = None) -> Array:
         """``live_rows``: see ``matmul_f32``. The kernel may come in the native matmuls' blocked
-        layout ([F / 64, D, 64], ``cpu_kernels.block_weight``)."""
+        layout ([F / 64, D, 64]) or paired one ([F / 64, D / 2, 128], bf16),
+        ``cpu_kernels.block_weight``."""
         shape = (x.shape[-1], self.features)
-        if self.has_variable("params", "kernel") and self.get_variable(
-                "params", "kernel").ndim == 3:
-            shape = cpu_kernels.blocked_shape(*shape, self.dtype) or shape
+        if self.has_variable("params", "kernel"):
+            given = self.get_variable("params", "kernel")
+            if given.ndim == 3 and cpu_kernels.unblocked_shape(given) == shape:
+                shape = given.shape  # blocked or paired, whichever the runner chose
         kernel = self.param("kernel", nn.initializers.normal(0.02), shape, self.dtype)
         y = matmul_f32(x, kernel, native=self.native, live_rows=live_rows)
         if self.use_bias:

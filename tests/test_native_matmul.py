@@ -200,13 +200,17 @@ def _routes_native(dtype, rows, native=True, transpose_w=False):
 @needs_matmul
 @needs_f32
 def test_the_model_routes_each_row_count_to_the_matmul_measured_faster(monkeypatch):
-    """With AMX tiles XLA's dot wins bf16 from AMX_XLA_MIN_ROWS rows up (fp32 stays native);
-    without them the native kernels win; "always" (batch-invariant mode) and the environment
+    """On an AMX CPU whose native kernels have no tiles (``amx_matmul`` false) XLA's dot wins
+    bf16 from AMX_XLA_MIN_ROWS rows up (fp32 stays native); with the tiles, or without AMX, the
+    native kernels win at every row count; "always" (batch-invariant mode) and the environment
     override take the native kernel at every row count; "0" never."""
     monkeypatch.delenv("LLMSERVE_NATIVE_MATMUL", raising=False)
     bf16, f32, edge = jnp.bfloat16, jnp.float32, cpa.AMX_XLA_MIN_ROWS
     monkeypatch.setattr(cpa, "cpu_has_avx512", lambda: True)
     monkeypatch.setattr(cpa, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(cpa, "amx_matmul", lambda enabled=None: True)
+    assert all(_routes_native(bf16, rows) for rows in (1, edge, 64, 512))
+    monkeypatch.setattr(cpa, "amx_matmul", lambda enabled=None: False)
     assert _routes_native(bf16, 1) and _routes_native(bf16, edge - 1)
     assert _routes_native(bf16, 1, transpose_w=True)
     assert not _routes_native(bf16, edge) and not _routes_native(bf16, 64)
@@ -301,6 +305,7 @@ def test_a_step_takes_one_matmul_kernel_chosen_by_its_sequences(monkeypatch):
     monkeypatch.delenv("LLMSERVE_NATIVE_MATMUL", raising=False)
     monkeypatch.setattr(cpa, "cpu_has_avx512", lambda: True)
     monkeypatch.setattr(cpa, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(cpa, "amx_matmul", lambda enabled=None: False)  # (no tiles of our own)
     builder = BatchBuilder(vocab_size=50, page_size=4, pages_per_seq=8, max_slots=16,
                            decode_buckets=[1, 4, 8, 16], prefill_buckets=[(1, 8), (2, 8)],
                            num_speculative_tokens=2)
@@ -320,6 +325,9 @@ def test_a_step_takes_one_matmul_kernel_chosen_by_its_sequences(monkeypatch):
     assert pick((1, None, 1), cache=sharded) is False
     monkeypatch.setattr(cpa, "cpu_has_amx", lambda: False)
     assert pick((16, None, 1)) == "always" and pick((0, (2, 8), 1)) == "always"
+    monkeypatch.setattr(cpa, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(cpa, "amx_matmul", lambda enabled=None: True)  # our tiles: every step
+    assert pick((8, None, 3)) == "always" and pick((1, (1, 8), 1)) == "always"
 
 
 # ---- the blocked weight layout ([N / 64, K, 64], cpu_kernels.block_weight) ----
@@ -330,7 +338,8 @@ needs_blocked_f32 = pytest.mark.skipif(not cpa.blocked_matmul_supported(jnp.floa
                                        reason="no AVX-512F matmul (blocked layout)")
 
 
-def test_block_weight_round_trips_and_places_each_column_block_contiguously():
+def test_block_weight_round_trips_and_places_each_column_block_contiguously(monkeypatch):
+    monkeypatch.setattr(cpa, "paired_weights_apply", lambda dtype: False)
     w = np.arange(6 * 128, dtype=np.float32).reshape(6, 128)
     b = cpa.block_weight(w)
     assert b.shape == (2, 6, 64) and b.flags["C_CONTIGUOUS"]
@@ -418,14 +427,22 @@ def test_a_model_with_blocked_kernels_gives_the_logits_of_its_kn_kernels(dtype, 
 
 def test_blocked_weights_apply_follows_the_kernels_and_the_opt_out(monkeypatch):
     """Blocked where the AVX-512 kernel for the dtype exists and wins at every row count; not
-    on an AMX CPU for bf16 (XLA's dot, which reads [K, N], wins from 8 rows), not with
-    ``LLMSERVE_BLOCKED_WEIGHTS=0``."""
+    on an AMX CPU for bf16 when the native kernels have no tiles (XLA's dot, which reads
+    [K, N], wins from 8 rows); with the tiles bf16 is blocked again, paired
+    (``paired_weights_apply``); not with ``LLMSERVE_BLOCKED_WEIGHTS=0``."""
     monkeypatch.setattr(cpa, "blocked_matmul_supported", lambda dtype: True)
     monkeypatch.setattr(cpa, "cpu_has_avx512", lambda: True)
     monkeypatch.setattr(cpa, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(cpa, "amx_matmul", lambda enabled=None: False)
     assert cpa.blocked_weights_apply(jnp.bfloat16) and cpa.blocked_weights_apply(jnp.float32)
+    assert not cpa.paired_weights_apply(jnp.bfloat16)
     monkeypatch.setattr(cpa, "cpu_has_amx", lambda: True)
     assert not cpa.blocked_weights_apply(jnp.bfloat16) and cpa.blocked_weights_apply(jnp.float32)
+    monkeypatch.setattr(cpa, "amx_matmul", lambda enabled=None: True)
+    assert cpa.blocked_weights_apply(jnp.bfloat16) and cpa.paired_weights_apply(jnp.bfloat16)
+    assert not cpa.paired_weights_apply(jnp.float32)
+    assert cpa.blocked_shape(576, 1536, jnp.bfloat16) == (24, 288, 128)
+    assert cpa.blocked_shape(576, 1536, jnp.float32) == (24, 576, 64)
     monkeypatch.setenv("LLMSERVE_BLOCKED_WEIGHTS", "0")
     assert not cpa.blocked_weights_apply(jnp.float32)
     monkeypatch.setattr(cpa, "blocked_matmul_supported", lambda dtype: False)
@@ -449,6 +466,7 @@ def test_an_engine_blocks_its_weights_and_serves_the_same_tokens(dtype, monkeypa
     params = init_params(cfg, seed=2)
     prompts = [[5, 6, 7, 8, 9], [11, 3], [200, 17, 4, 4, 90, 31, 2]]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    llm_params = {}  # each engine's weights
 
     def serve(blocked):
         monkeypatch.setenv("LLMSERVE_BLOCKED_WEIGHTS", "1" if blocked else "0")
@@ -456,12 +474,15 @@ def test_an_engine_blocks_its_weights_and_serves_the_same_tokens(dtype, monkeypa
                   max_num_seqs=4, max_model_len=64)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         ndims = {x.ndim for x in jax.tree_util.tree_leaves(llm.engine.runner.params)}
+        llm_params[blocked] = llm.engine.runner.params
         scored = PromptScorer(cfg, llm.engine.runner.params, max_len=16).score(prompts[2], 2)
         return ([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], ndims, scored)
 
     got, ndims, scored = serve(True)
     want, plain_ndims, plain_scored = serve(False)
     assert 3 in ndims and 3 not in plain_ndims
+    paired = {cpa.is_paired(x) for x in jax.tree_util.tree_leaves(llm_params[True])}
+    assert (True in paired) == cpa.paired_weights_apply(cfg.jnp_dtype)  # bf16 on AMX tiles
     assert got == want
     assert scored == plain_scored
     if dtype != "float32":  # (bf16 verify and decode rows may round a near-tie apart)
@@ -477,6 +498,111 @@ def test_an_engine_blocks_its_weights_and_serves_the_same_tokens(dtype, monkeypa
                          use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [ids for ids, _ in want]
     assert spec.engine.stats["spec_accepted"] > 0
+
+
+# ---- the paired layout ([N / 64, K / 2, 128]) and AMX tiles (cpu_kernels.amx_matmul) ----
+
+needs_amx = pytest.mark.skipif(not cpa.amx_matmul(),
+                               reason="no AMX tiles here (the CPU, the build or the kernel)")
+
+
+@pytest.fixture
+def amx_restored():
+    """A test that switches the AMX tiles leaves them as it found them."""
+    before = cpa.amx_matmul()
+    yield
+    cpa.amx_matmul(before)
+
+
+def test_the_paired_layout_round_trips_and_interleaves_rows_k_and_k_plus_1():
+    w = np.arange(6 * 128, dtype=np.float32).reshape(6, 128)
+    p = cpa.block_weight(w, paired=True)
+    assert p.shape == (2, 3, 128) and p.flags["C_CONTIGUOUS"] and cpa.is_paired(p)
+    assert not cpa.is_paired(cpa.block_weight(w))
+    # block 1, pair row 2, column 5 of the block: (w[4, 69], w[5, 69])
+    assert p[1, 2, 10] == w[4, 69] and p[1, 2, 11] == w[5, 69]
+    np.testing.assert_array_equal(cpa.unblock_weight(p), w)
+    np.testing.assert_array_equal(np.asarray(cpa.block_weight(jnp.asarray(w), paired=True)), p)
+    np.testing.assert_array_equal(np.asarray(cpa.unblock_weight(jnp.asarray(p))), w)
+    assert cpa.unblocked_shape(p) == (6, 128) == cpa.unblocked_shape(cpa.block_weight(w))
+    with pytest.raises(ValueError, match="even K"):
+        cpa.block_weight(w[:5], paired=True)
+
+
+@needs_blocked_bf16
+@pytest.mark.parametrize("amx", [False, pytest.param(True, marks=needs_amx)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 576), (2, 576, 192), (7, 64, 128), (16, 576, 1536),
+                                   (17, 1536, 576), (40, 576, 192), (100, 576, 576)])
+def test_paired_weights_give_bitwise_the_blocked_layouts_results(amx, m, k, n, amx_restored):
+    """The paired layout holds the pairs the blocked kernels interleave themselves, so every row
+    (and the padding rows' zeros past ``live``) is bitwise the blocked call's: with the
+    AVX512_BF16 kernels and, where the CPU has them, AMX tiles (row blocks of 16, a partial
+    last one); and within the float32-rounding bound of the reference."""
+    assert cpa.amx_matmul(amx) == amx
+    x, w = _inputs(m, k, n, False, seed=m)
+    paired, blocked = cpa.block_weight(w, paired=True), cpa.block_weight(w)
+    run = jax.jit(cpa.matmul_bf16_cpu, static_argnums=2)
+    keep = max(1, m - 3)
+    np.testing.assert_array_equal(np.asarray(run(x, paired, False)),
+                                  np.asarray(run(x, blocked, False)))
+    out = np.asarray(run(x, paired, False, jnp.int32(keep)))
+    np.testing.assert_array_equal(out, np.asarray(run(x, blocked, False, jnp.int32(keep))))
+    assert not out[keep:].any()
+    want = np.asarray(cpa.matmul_bf16_reference(x, paired))[:keep]  # the oracle unpairs
+    assert (np.abs(out[:keep] - want) <= _bound(x, w, False)[:keep]).all()
+
+
+@needs_amx
+@pytest.mark.parametrize("layout", ["kn", "blocked", "paired", "nk"])
+def test_amx_tiles_match_the_reference_and_keep_every_row_independent(layout, amx_restored):
+    """AMX tiles on every bf16 layout ([K, N] and blocked: interleaved per work item; paired:
+    read in place; the tied head's [N, K]: x interleaved once per call) against the reference,
+    within the float32-rounding bound; batch invariant: rows of 1-17-row calls (row blocks of
+    16, a partial last one) are bitwise those of the 40-row call. The AVX512_BF16 kernels
+    (tiles off, the same compiled program) agree within the same bound."""
+    t = layout == "nk"
+    x, w = _inputs(40, 576, 4096 if t else 1536, t, seed=5)
+    wl = {"kn": w, "nk": w, "blocked": cpa.block_weight(w),
+          "paired": cpa.block_weight(w, paired=True)}[layout]
+    run = jax.jit(cpa.matmul_bf16_cpu, static_argnums=2)
+    want, bound = np.asarray(cpa.matmul_bf16_reference(x, w, t)), _bound(x, w, t)
+    assert cpa.amx_matmul(True)
+    full = np.asarray(run(x, wl, t))
+    assert (np.abs(full - want) <= bound).all()
+    for m in (1, 5, 16, 17):
+        np.testing.assert_array_equal(np.asarray(run(x[:m], wl, t)), full[:m])
+    np.testing.assert_array_equal(np.asarray(run(x[23:24], wl, t))[0], full[23])
+    assert not cpa.amx_matmul(False)
+    avx = np.asarray(run(x, wl, t))
+    assert (np.abs(avx - want) <= bound).all()
+    assert not np.array_equal(avx, full)  # another kernel really ran (its own sum order)
+
+
+@needs_blocked_bf16
+@pytest.mark.parametrize("amx", [False, pytest.param(True, marks=needs_amx)])
+@pytest.mark.parametrize("m,live", [(1, 1), (16, 16), (40, 37)])
+def test_one_call_over_paired_weights_is_bitwise_each_weights_blocked_call(amx, m, live,
+                                                                             amx_restored):
+    cpa.amx_matmul(amx)
+    ws = [_inputs(m, 576, n, False, seed=j)[1] for j, n in enumerate((576, 192, 192))]
+    x = _inputs(m, 576, 64, False, seed=9)[0]
+    got = jax.jit(cpa.matmul_blocked_many)(x, [cpa.block_weight(w, paired=True) for w in ws],
+                                           jnp.int32(live))
+    for g, w in zip(got, ws):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(cpa.matmul_bf16_cpu(
+            x, cpa.block_weight(w), False, jnp.int32(live))))
+
+
+@needs_blocked_bf16
+def test_bad_paired_weights_are_named():
+    x, w = _inputs(3, 64, 128, False)
+    p = cpa.block_weight(w, paired=True)
+    with pytest.raises(ValueError, match="not transposed"):
+        cpa.matmul_bf16_cpu(x, p, True)
+    with pytest.raises(ValueError, match="paired"):  # float32 has no paired layout
+        cpa.matmul_f32_cpu(x.astype(jnp.float32), p.astype(jnp.float32), False)
+    with pytest.raises(ValueError, match="blocked weights"):  # one layout per fused call
+        cpa.matmul_blocked_many(x, [p, cpa.block_weight(w)])
 
 
 # ---- several blocked matmuls of one x in one call (cpu_kernels.matmul_blocked_many) ----

@@ -22,6 +22,11 @@ sampled row. The jnp path finds the top-k / top-p thresholds by bisection, up to
 the logits each (281 ms for top-p on 256 rows of 49,152); the kernel selects them by radix
 selection in a few passes per row. Oracle: ``sampling``'s jnp path.
 
+Weight matmuls (``matmul_bf16_cpu``, ``matmul_f32_cpu``, ``matmul_blocked_many``): float32
+accumulation, each row independent of the others; AVX512_BF16 (AVX2 + FMA without AVX-512),
+and on CPUs with AMX the tile unit for bf16 (``amx_matmul``), which reads its weights in the
+paired layout (``block_weight(..., paired=True)``) in place.
+
 Build: the first call compiles the source with the system C++ compiler (``$CXX``, else ``g++``,
 ``-O3 -march=native``) into a cache directory (``$LLMSERVE_CACHE_DIR``, else
 ``~/.cache/llmserve``; the temporary directory when that is not writable) keyed by the source,
@@ -158,12 +163,28 @@ def _load() -> Optional[str]:
                                         platform="cpu")
         _HAS_BF16_MATMUL.append(bool(lib.LlmserveHasBf16Matmul()))
         _HAS_F32_MATMUL.append(bool(lib.LlmserveHasF32Matmul()))
+        _LIB.append(lib)
+        if os.environ.get(AMX_OPT_OUT) == "0":
+            lib.LlmserveAmxMatmul(0)
     except (NativeBuildError, OSError, AttributeError) as e:
         return str(e)
     return None
 
 
 _HAS_BF16_MATMUL: list = []  # filled by _load: whether the build has a bf16 matmul
+_LIB: list = []  # ... and the loaded library
+AMX_OPT_OUT = "LLMSERVE_AMX"  # "0": the native bf16 matmuls keep to AVX512_BF16 on AMX CPUs
+
+
+def amx_matmul(enabled: Optional[bool] = None) -> bool:
+    """Whether the native bf16 matmuls run on AMX tiles (``csrc/cpu_kernels.cc``: on CPUs with
+    AMX, where the build has it and Linux grants the tile state; ``LLMSERVE_AMX=0`` turns it off
+    at load). ``enabled`` switches it for the process from the next call on: True where
+    available, False for the AVX512_BF16 kernels (A/B runs and tests). The choice is made inside
+    each call, so compiled steps are unchanged and nothing recompiles."""
+    if _load() is not None or not _LIB:
+        return False
+    return bool(_LIB[0].LlmserveAmxMatmul(-1 if enabled is None else int(bool(enabled))))
 _HAS_F32_MATMUL: list = []  # ... and a float32 matmul
 
 
@@ -176,8 +197,16 @@ def has_bf16_matmul() -> bool:
     return _load() is None and bool(_HAS_BF16_MATMUL and _HAS_BF16_MATMUL[0])
 
 
-# From this many rows XLA's dot beats the native matmuls on a CPU with AMX tiles: XLA:CPU's
-# dot kernels use the tiles there, the native ones AVX-512 only. Measured on a 2-core AMX Xeon
+# On a CPU with AMX the native bf16 matmuls run on the tiles themselves (``amx_matmul``; the
+# weights in the paired layout, ``paired_weights_apply``) and win at every row count. SmolLM2's
+# weight matmuls of one step (``python -m experiments.matmul``, 2-core AMX Xeon, 2026-12-07),
+# ms, XLA's dot / native AVX512_BF16 (blocked) / native AMX (paired): 1 row 29.8 / 13.1 / 15.6,
+# 8 rows 28.8 / 24.8 / 14.7, 16 rows 37.9 / 37.5 / 19.0, 32 rows 35.6 / 65.3 / 24.4, 64 rows
+# 42.1 / 111 / 27.0, 256 rows 85.9 / - / 85.3, 512 rows 143.2 / - / 149.0 (the last within
+# noise: every row count stays native, so a verify row is bitwise a decode row).
+# Without the tiles (``LLMSERVE_AMX=0``, or a build or kernel without them), from this many rows
+# XLA's dot beats the native matmuls on a CPU with AMX: XLA:CPU's dot kernels use the tiles
+# there (oneDNN), the AVX-512 kernels cannot. Measured on a 2-core AMX Xeon
 # (SmolLM2's [576, 1536] and tied [49152, 576] weights, jax 0.10.2): bf16 XLA / native time 0.86
 # and 0.39 at 8 rows, 0.23 / 0.30 at 32, 0.11 / 0.29 at 512, but 6.3 / 13.9 at one row and
 # 2.0 / 0.76 at two. AMX has no float32 tiles: fp32 XLA / native time is 0.37-1.17 by shape
@@ -223,8 +252,9 @@ def native_matmul_wins(dtype, rows: int) -> bool:
     unset or "auto" by measurement:
       - AVX-512 without AMX: the native kernels win (1.3-1.6x XLA's bf16 dots at 1-64 rows on
         an AVX512_BF16 Xeon);
-      - AMX (``cpu_has_amx``): XLA wins bf16 from ``AMX_XLA_MIN_ROWS`` rows up, float32 stays
-        native;
+      - AMX (``cpu_has_amx``): the native kernels' AMX tiles (``amx_matmul``) win at every row
+        count; without them (``LLMSERVE_AMX=0``, or a build or kernel that has none) XLA's dot
+        wins bf16 from ``AMX_XLA_MIN_ROWS`` rows up; float32 stays native;
       - AVX2 only (no ``cpu_has_avx512``): bf16 always native, float32 native for row
         counts in ``AVX2_F32_ROWS`` and XLA's dot elsewhere.
     The choice is made at trace time from static shapes, so a compiled step never branches."""
@@ -237,7 +267,7 @@ def native_matmul_wins(dtype, rows: int) -> bool:
         return bf16 or lo <= rows < hi
     if not bf16:
         return True
-    return rows < AMX_XLA_MIN_ROWS or not cpu_has_amx()
+    return rows < AMX_XLA_MIN_ROWS or not cpu_has_amx() or amx_matmul()
 
 
 # The blocked weight layout of the native [K, N] matmuls: w [K, N] stored as [N / 64, K, 64],
@@ -250,35 +280,75 @@ def native_matmul_wins(dtype, rows: int) -> bool:
 # either layout: results are bitwise equal. ``Runner`` blocks a model's Dense kernels once, at
 # construction, where ``blocked_weights_apply``; ``model.Dense`` takes either layout.
 BLOCK_COLUMNS = 64
+PAIRED_WIDTH = 2 * BLOCK_COLUMNS  # the paired layout's rows: 64 columns of bf16 pairs
 BLOCKED_WEIGHTS_OPT_OUT = "LLMSERVE_BLOCKED_WEIGHTS"  # "0": keep the [K, N] layout
 
 
-def block_weight(w):
-    """w [K, N] (N % 64 == 0; numpy or jax) -> the blocked layout [N / 64, K, 64], same type."""
+def block_weight(w, paired: bool = False):
+    """w [K, N] (N % 64 == 0; numpy or jax) -> the blocked layout [N / 64, K, 64], same type;
+    ``paired`` (bf16, K even): the paired layout [N / 64, K / 2, 128] instead, each block's rows
+    k and k + 1 interleaved (element (p, 2 c + j) of block b is w[2 p + j, 64 b + c]): the
+    operand layout of AMX's tile multiply and of vdpbf16ps, read in place by both."""
     k, n = w.shape
     if n % BLOCK_COLUMNS:
         raise ValueError(f"block_weight: N={n} is not a multiple of {BLOCK_COLUMNS}")
-    if isinstance(w, np.ndarray):
-        return np.ascontiguousarray(w.reshape(k, n // BLOCK_COLUMNS, BLOCK_COLUMNS)
-                                    .transpose(1, 0, 2))
-    return jnp.transpose(w.reshape(k, n // BLOCK_COLUMNS, BLOCK_COLUMNS), (1, 0, 2))
+    if paired and k % 2:
+        raise ValueError(f"block_weight: a paired layout needs an even K, got K={k}")
+    xp = np if isinstance(w, np.ndarray) else jnp
+    if paired:  # [K / 2, 2, N / 64, 64] -> [N / 64, K / 2, 64, 2]
+        out = xp.transpose(w.reshape(k // 2, 2, n // BLOCK_COLUMNS, BLOCK_COLUMNS), (2, 0, 3, 1))
+        out = out.reshape(n // BLOCK_COLUMNS, k // 2, PAIRED_WIDTH)
+    else:
+        out = xp.transpose(w.reshape(k, n // BLOCK_COLUMNS, BLOCK_COLUMNS), (1, 0, 2))
+    return np.ascontiguousarray(out) if xp is np else out
+
+
+def is_paired(w) -> bool:
+    """Whether a 3-D weight is in the paired layout (``block_weight(..., paired=True)``)."""
+    return getattr(w, "ndim", 0) == 3 and w.shape[2] == PAIRED_WIDTH
 
 
 def unblock_weight(w):
-    """The blocked layout [N / 64, K, 64] -> w [K, N] (``block_weight``'s inverse)."""
-    nb, k, c = w.shape
-    if isinstance(w, np.ndarray):
-        return np.ascontiguousarray(w.transpose(1, 0, 2)).reshape(k, nb * c)
-    return jnp.transpose(w, (1, 0, 2)).reshape(k, nb * c)
+    """The blocked layout [N / 64, K, 64] or the paired one [N / 64, K / 2, 128] -> w [K, N]
+    (``block_weight``'s inverse)."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    nb = w.shape[0]
+    if is_paired(w):
+        p = w.shape[1]
+        out = xp.transpose(w.reshape(nb, p, BLOCK_COLUMNS, 2), (1, 3, 0, 2))
+        out = out.reshape(2 * p, nb * BLOCK_COLUMNS)
+    else:
+        out = xp.transpose(w, (1, 0, 2)).reshape(w.shape[1], nb * w.shape[2])
+    return np.ascontiguousarray(out) if xp is np else out
+
+
+def unblocked_shape(w) -> tuple:
+    """[K, N] of a weight in the blocked or paired layout (``block_weight``)."""
+    return (weight_rows(w), w.shape[0] * BLOCK_COLUMNS)
+
+
+def weight_rows(w) -> int:
+    """K of a weight in the blocked or paired layout (``block_weight``)."""
+    return 2 * w.shape[1] if is_paired(w) else w.shape[1]
+
+
+def paired_weights_apply(dtype) -> bool:
+    """Whether ``dtype`` weights take the paired layout here rather than the blocked one: bf16
+    where the native matmuls run on AMX tiles (``amx_matmul``), which load the paired layout in
+    place. Elsewhere (AVX512_BF16 alone, float32) the blocked layout stays."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and amx_matmul()
 
 
 def blocked_shape(k: int, n: int, dtype) -> Optional[tuple]:
-    """The blocked shape of a [k, n] weight of ``dtype``, or None where the native matmul does not
-    take it (N % 64, and the [K, N] kernel's own shape rule)."""
+    """The shape ``block_params`` gives a [k, n] weight of ``dtype`` here (blocked, or paired
+    where ``paired_weights_apply``), or None where the native matmul does not take it (N % 64,
+    and the [K, N] kernel's own shape rule)."""
     supported = (matmul_bf16_supported if jnp.dtype(dtype) == jnp.bfloat16
                  else matmul_f32_supported)
     if n % BLOCK_COLUMNS or not supported(k, n, False):
         return None
+    if paired_weights_apply(dtype):
+        return (n // BLOCK_COLUMNS, k // 2, PAIRED_WIDTH)
     return (n // BLOCK_COLUMNS, k, BLOCK_COLUMNS)
 
 
@@ -302,8 +372,9 @@ def fused_matmuls_apply(weights) -> bool:
     if os.environ.get(FUSED_MATMULS_OPT_OUT) == "0" or not 1 <= len(weights) <= 8:
         return False
     first = weights[0]
+    width = PAIRED_WIDTH if is_paired(first) and first.dtype == jnp.bfloat16 else BLOCK_COLUMNS
     return (all(getattr(w, "ndim", 0) == 3 and w.shape[1:] == first.shape[1:]
-                and w.shape[2] == BLOCK_COLUMNS and w.dtype == first.dtype for w in weights)
+                and w.shape[2] == width and w.dtype == first.dtype for w in weights)
             and blocked_matmul_supported(first.dtype))
 
 
@@ -315,7 +386,7 @@ def matmul_blocked_many(x: Array, weights, live_rows: Optional[Array] = None) ->
     there. Serving only (no derivative)."""
     weights = list(weights)
     if x.ndim != 2 or not fused_matmuls_apply(weights) or x.dtype != weights[0].dtype or (
-            x.shape[1] != weights[0].shape[1]):
+            x.shape[1] != weight_rows(weights[0])):
         raise ValueError(f"want x [M, K] and 1-8 blocked weights [N / {BLOCK_COLUMNS}, K, "
                          f"{BLOCK_COLUMNS}] of x's dtype, on a CPU that takes them; got x "
                          f"{x.dtype}{x.shape}, w {[(w.dtype, w.shape) for w in weights]}")
@@ -328,8 +399,9 @@ def matmul_blocked_many(x: Array, weights, live_rows: Optional[Array] = None) ->
 
 
 def blocked_weights_apply(dtype) -> bool:
-    """Whether a model's ``dtype`` weights should be blocked here: the native matmul takes them
-    and is the faster one at every row count (``native_matmul_wins``: not bf16 on an AMX CPU,
+    """Whether a model's ``dtype`` weights should be blocked here (paired where
+    ``paired_weights_apply``): the native matmul takes them and is the faster one at every row
+    count (``native_matmul_wins``: not bf16 on an AMX CPU whose native kernels have no tiles,
     where XLA's dot, which reads the [K, N] layout, wins from 8 rows), unless
     ``LLMSERVE_BLOCKED_WEIGHTS=0``."""
     if os.environ.get(BLOCKED_WEIGHTS_OPT_OUT) == "0" or not blocked_matmul_supported(dtype):
@@ -339,12 +411,15 @@ def blocked_weights_apply(dtype) -> bool:
 
 def block_params(params, dtype):
     """The weights with every blockable Dense kernel (a "kernel" leaf [K, N] of ``dtype``,
-    ``blocked_shape``) in the blocked layout; the rest, and the tree's structure, unchanged."""
+    ``blocked_shape``) in the blocked layout (the paired one where ``paired_weights_apply``);
+    the rest, and the tree's structure, unchanged."""
+    paired = paired_weights_apply(dtype)
+
     def leaf(path, value):
         if (getattr(path[-1], "key", None) == "kernel" and getattr(value, "ndim", 0) == 2
                 and jnp.dtype(value.dtype) == jnp.dtype(dtype)
                 and blocked_shape(*value.shape, dtype) is not None):
-            return block_weight(value)
+            return block_weight(value, paired=paired)
         return value
     return jax.tree_util.tree_map_with_path(leaf, params)
 
@@ -395,13 +470,15 @@ def _native_matmul(x: Array, w: Array, live: Array, transpose_w: bool, name: str
     if x.ndim != 2 or w.ndim not in (2, 3) or x.dtype != dtype or w.dtype != dtype:
         raise ValueError(f"want {name} x [M, K] and w 2-D (or blocked), got x {x.dtype}{x.shape}, "
                          f"w {w.dtype}{w.shape}")
-    if w.ndim == 3:  # the blocked layout (block_weight)
-        if transpose_w or w.shape[2] != BLOCK_COLUMNS:
-            raise ValueError(f"blocked w must be [N / {BLOCK_COLUMNS}, K, {BLOCK_COLUMNS}] and "
-                             f"not transposed, got {w.shape} (transpose_w={transpose_w})")
+    if w.ndim == 3:  # the blocked or paired layout (block_weight)
+        widths = (BLOCK_COLUMNS, PAIRED_WIDTH) if dtype == jnp.bfloat16 else (BLOCK_COLUMNS,)
+        if transpose_w or w.shape[2] not in widths:
+            raise ValueError(f"blocked w must be [N / {BLOCK_COLUMNS}, K, {BLOCK_COLUMNS}] (or, "
+                             f"bf16, paired [N / {BLOCK_COLUMNS}, K / 2, {PAIRED_WIDTH}]) and not "
+                             f"transposed, got {w.shape} (transpose_w={transpose_w})")
         if not blocked_matmul_supported(dtype):
             raise NativeBuildError(f"this CPU (or build) has no blocked {name} matmul (AVX-512)")
-        k, n = w.shape[1], w.shape[0] * BLOCK_COLUMNS
+        k, n = weight_rows(w), w.shape[0] * BLOCK_COLUMNS
     else:
         k, n = (w.shape[1], w.shape[0]) if transpose_w else w.shape
     n_need = 4 if transpose_w else n_mult

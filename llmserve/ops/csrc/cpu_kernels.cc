@@ -3,7 +3,9 @@
 //   LlmservePagedAttention: paged GQA attention (decode, verify, per-token queries);
 //   LlmserveRowLogsumexp:   log-sum-exp of each row of [B, V] float32 logits, in a fixed order;
 //   LlmserveRowArgmax:      first index of each row's maximum (jnp.argmax), one pass per row;
-//   LlmserveSample:         temperature, top-k, top-p, min-p and the categorical draw per row.
+//   LlmserveSample:         temperature, top-k, top-p, min-p and the categorical draw per row;
+//   LlmserveMatmulBf16 / F32 / BlockedMany: weight matmuls with float32 accumulation
+//                           (AVX512_BF16, AMX tiles where the CPU has them, AVX-512F, AVX2).
 //
 // Paged attention. Why a hand-written kernel: the XLA path (gather the pages through the block table, then two
 // batched matmuls) costs 7-9x the memory roof on CPU, and the gather alone 2.3-5x. Here each
@@ -34,6 +36,11 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/syscall.h>  // arch_prctl: the AMX tile state (AmxPermitted)
+#include <unistd.h>
+#endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -448,6 +455,15 @@ LLMSERVE_INLINE void PreparePairs(const uint16_t* kpage, int64_t nk, uint32_t* k
 }
 
 #if defined(__AVX512BF16__)
+// vpermt2w indices that interleave two rows a, b of 32 bf16 into pairs (a[i], b[i]): kPairLo for
+// i = 0..15, kPairHi for i = 16..31 (rows k and k + 1 of a matrix -> its dim pairs).
+alignas(64) constexpr uint16_t kPairLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7,
+                                              39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45,
+                                              14, 46, 15, 47};
+alignas(64) constexpr uint16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22,
+                                              54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59, 28, 60,
+                                              29, 61, 30, 62, 31, 63};
+
 // The bf16-pairs path's V block of one page: vt2 [L/2, H] 32-bit pairs of keys (2i, 2i + 1)
 // (dims contiguous, in order), the layout vdpbf16ps wants to add two keys' p . V at once. A
 // missing odd key (a partial page) is zeros; pairs past the page's keys are not written.
@@ -455,13 +471,7 @@ template <int HV>
 LLMSERVE_INLINE void PrepareVPairs(const uint16_t* vpage, int64_t nk, uint32_t* vt2) {
   constexpr int64_t H = 16 * HV;
   static_assert(HV % 2 == 0, "32 bf16 dims per vector load");
-  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38,
-                                               7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13,
-                                               45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
-                                               22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59,
-                                               28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  const __m512i lo = _mm512_load_si512(kPairLo), hi = _mm512_load_si512(kPairHi);
   for (int64_t i = 0; 2 * i < nk; ++i) {
     const uint16_t* a = vpage + 2 * i * H;
     const bool has_b = 2 * i + 1 < nk;
@@ -966,16 +976,36 @@ inline const T* KNBlock(const T* w, bool blocked, int64_t k_dim, int64_t n, int6
   return blocked ? w + (n0 / kBlockedColumns) * k_dim * kBlockedColumns : w + n0;
 }
 
-// x [M, K] and w ([K, N], [N, K] with transpose_w, or blocked [N / 64, K, 64]) -> rows, K, N.
+// The paired layout (bf16 only): w [K, N] stored as [N / 64, K / 2, 128], each 64-column
+// block's K / 2 rows of dim pairs: element (p, 2 c + j) = w[2 p + j, c]. That is the operand
+// layout of AMX's tile multiply and of vdpbf16ps, so neither kernel interleaves rows k and k + 1
+// itself: the AMX kernel loads its B tiles straight from the weights (the blocked layout has to
+// be interleaved first, which cost SmolLM2's 1-row layer matmuls ~40% against the AVX512_BF16
+// kernel). A 3-D w whose last dim is 128 is paired (llmserve.ops.cpu_kernels.pair_weight).
+constexpr int64_t kPairedWidth = 2 * kBlockedColumns;
+
+// x [M, K] and w ([K, N], [N, K] with transpose_w, blocked [N / 64, K, 64] or, where
+// allow_paired, paired [N / 64, K / 2, 128]) -> rows, K, N and the layout.
 template <typename Dims>
 ffi::Error MatmulDims(const Dims& xd, const Dims& wd, bool transpose_w, int64_t k_mult,
-                      int64_t n_mult, int64_t* rows, int64_t* k_dim, int64_t* n, bool* blocked) {
+                      int64_t n_mult, int64_t* rows, int64_t* k_dim, int64_t* n, bool* blocked,
+                      bool* paired = nullptr) {
   *blocked = wd.size() == 3;
+  const bool is_paired = *blocked && wd[2] == kPairedWidth;
+  if (paired != nullptr) *paired = is_paired;
   if (xd.size() != 2 || (wd.size() != 2 && !*blocked)) {
     return ffi::Error::InvalidArgument("want x [M,K], w 2-D (or blocked [N/64,K,64])");
   }
   *rows = xd[0];
   *k_dim = xd[1];
+  if (is_paired) {
+    if (paired == nullptr || transpose_w || 2 * wd[1] != *k_dim || *k_dim % k_mult != 0) {
+      return ffi::Error::InvalidArgument("paired w must be bf16 [N/64, K/2, 128] with K % " +
+                                         std::to_string(k_mult) + " == 0, not transposed");
+    }
+    *n = wd[0] * kBlockedColumns;
+    return ffi::Error::Success();
+  }
   if (*blocked) {
     if (transpose_w || wd[2] != kBlockedColumns || wd[1] != *k_dim || *k_dim % k_mult != 0) {
       return ffi::Error::InvalidArgument("blocked w must be [N/64, K, 64] with K % " +
@@ -1117,6 +1147,44 @@ inline void GemmKNColumns(const uint16_t* x, int64_t m_dim, int64_t k_dim, const
   }
 }
 
+// The paired layout's 64-column block wp (K / 2 rows of 128 bf16): the tile above without its
+// unpacks (the pairs are stored interleaved) and without the lane fix-up at the store. Every
+// column's vdpbf16ps chain is the one GemmKNTile runs: bitwise its results.
+template <int MR>
+inline void GemmKNTilePaired(const uint16_t* x, int64_t k_dim, int64_t m0, const uint16_t* wp,
+                             int64_t n, int64_t n0, float* out) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x + m0 * k_dim);
+  const int64_t pairs = k_dim / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* row = wp + kp * 128;
+    __m512i w[4];
+    for (int v = 0; v < 4; ++v) w[v] = _mm512_loadu_si512(row + 32 * v);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * pairs + kp]));
+      for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], (__m512bh)w[v], a);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + (m0 + m) * n + n0 + 16 * v, acc[m][v]);
+}
+
+inline void GemmKNColumnsPaired(const uint16_t* x, int64_t m_dim, int64_t k_dim,
+                                const uint16_t* wp, int64_t n, int64_t n0, float* out) {
+  constexpr int kMR = 6;
+  int64_t m0 = 0;
+  for (; m0 + kMR <= m_dim; m0 += kMR) GemmKNTilePaired<kMR>(x, k_dim, m0, wp, n, n0, out);
+  switch (m_dim - m0) {
+    case 1: GemmKNTilePaired<1>(x, k_dim, m0, wp, n, n0, out); break;
+    case 2: GemmKNTilePaired<2>(x, k_dim, m0, wp, n, n0, out); break;
+    case 3: GemmKNTilePaired<3>(x, k_dim, m0, wp, n, n0, out); break;
+    case 4: GemmKNTilePaired<4>(x, k_dim, m0, wp, n, n0, out); break;
+    case 5: GemmKNTilePaired<5>(x, k_dim, m0, wp, n, n0, out); break;
+    default: break;
+  }
+}
 
 constexpr int64_t kNKBlock = 64;  // vocabulary rows per work item of the [N, K] matmul
 
@@ -1226,7 +1294,254 @@ inline void GemmNKRows(const uint16_t* x, int64_t m_dim, int64_t k_dim, const ui
   for (; m0 + 4 <= m_dim; m0 += 4) GemmNKRowTile(x, 4, k_dim, m0, w, n, n0, n1, out);
   if (m0 < m_dim) GemmNKRowTile(x, m_dim - m0, k_dim, m0, w, n, n0, n1, out);
 }
+
+// ---- AMX (Intel's tile matrix unit): the bf16 matmuls on CPUs that have it ----
+//
+// Why: on a 2-core AMX Xeon the AVX512_BF16 kernels above are compute-bound from a few rows up
+// (SmolLM2's weight matmuls, experiments/matmul.py: 13.1 ms at one row, 24.8 at 8, 37.5 at 16,
+// 65.3 at 32), while one tile multiply (TDPBF16PS: 16 x 16 outputs, 32 dims) does 16x the work
+// of a vdpbf16ps. Tiles: C 16 x 16 float32 (tmm0-3, one per 16 output columns), A up to 16 rows
+// x 32 bf16 dims (tmm4, or tmm5-7), B 16 dim pairs x 16 columns of bf16 pairs (the "VNNI"
+// layout: rows k and k + 1 interleaved).
+//   w paired [N / 64, K / 2, 128] (what Runner gives bf16 weights here): x rows are A and the
+//     weights B, both read in place. The same weights through the tiles: 15.6 ms at one row, 14.7
+//     at 8, 19.0 at 16, 24.4 at 32, 27.0 at 64.
+//   w [K, N] or blocked: as paired, but each dim step is interleaved into B tiles first (one
+//     permute per 16 columns, into a thread's scratch): slower at one row than the AVX512_BF16
+//     kernel (the interleave and the tiles do not overlap well), faster from a few rows.
+//   w [N, K] (the tied vocabulary projection): the vocabulary rows are A, read in place (16
+//     rows at a stride of K), and x is B, interleaved once per call; a C tile is 16 vocabulary
+//     rows x 16 x rows, written out transposed.
+// A row block of fewer than 16 rows is configured as such (tile rows), so no tile reads past x or
+// writes past out. Every output is one tile chain over the dims in a fixed order that does not
+// depend on the other rows or on the row block it lands in: batch invariant, like the kernels
+// above (not bitwise equal to them: the tiles add each pair's two products before adding them
+// to the sum, vdpbf16ps adds them one at a time). The choice of AMX depends only on the CPU and
+// the shapes, never on the row count, so a verify row still equals a decode row.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define LLMSERVE_AMX 1
+
+// Linux hands out the tile state to a process only on request (arch_prctl, kernel >= 5.16).
+bool AmxPermitted() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 64 bytes wide; C (tmm0-3) and A (tmm4) `rows` rows, tmm5-7 16 (a row block of
+// fewer than 16 x rows loads and stores only its rows: no padding copy, no scratch). Loaded by
+// each work item (another library on this thread, oneDNN inside XLA, may have loaded its own),
+// which releases the tiles at its end.
+inline void AmxConfigure(int64_t rows) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = static_cast<uint8_t>(t <= 4 ? rows : 16);
+  }
+  _tile_loadconfig(&c);
+}
+
+// C tile t (0-3) -> dst, rows `stride` bytes apart (the tile intrinsics take literal tiles).
+inline void AmxStoreTile(int t, float* dst, int64_t stride) {
+  switch (t) {
+    case 0: _tile_stored(0, dst, stride); break;
+    case 1: _tile_stored(1, dst, stride); break;
+    case 2: _tile_stored(2, dst, stride); break;
+    default: _tile_stored(3, dst, stride); break;
+  }
+}
+
+// Dim step s of the column block wb (rows 32 s .. 32 s + 32 of `groups` x 16 columns, ldw
+// apart) -> its B tiles at b: tile g is 16 dim pairs x 32 bf16 at b + g * 512 (rows k and
+// k + 1 as pairs: one permute per 16 columns, the vdpbf16ps kernels' unpack).
+inline void AmxPackStep(const uint16_t* wb, int64_t ldw, int64_t s, int64_t groups, uint16_t* b) {
+  const __m512i lo = _mm512_load_si512(kPairLo), hi = _mm512_load_si512(kPairHi);
+  for (int64_t p = 0; p < 16; ++p) {
+    const uint16_t* r0 = wb + (32 * s + 2 * p) * ldw;
+    for (int64_t h = 0; 2 * h < groups; ++h) {
+      const __m512i va = _mm512_loadu_si512(r0 + 32 * h);
+      const __m512i vb = _mm512_loadu_si512(r0 + ldw + 32 * h);
+      uint16_t* t = b + (2 * h * 16 + p) * 32;
+      _mm512_storeu_si512(t, _mm512_permutex2var_epi16(va, lo, vb));
+      _mm512_storeu_si512(t + 512, _mm512_permutex2var_epi16(va, hi, vb));
+    }
+  }
+}
+
+// C[0 .. groups) += A (tmm4, loaded from a) @ B tiles g = 0 .. groups - 1 at b + g * off, rows
+// ldb bytes apart (AmxPackStep's scratch: off 512, ldb 64; the paired layout: off 32, ldb 256).
+LLMSERVE_INLINE void AmxStep(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t off,
+                             int64_t ldb, int64_t groups) {
+  _tile_loadd(4, a, lda);
+  _tile_loadd(5, b, ldb);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(6, b + off, ldb);
+  _tile_dpbf16ps(1, 4, 6);
+  if (groups == 4) {
+    _tile_loadd(7, b + 2 * off, ldb);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, b + 3 * off, ldb);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
+// Every 16-row block of x [m_dim, K] (K % 32 == 0) through the dim steps s, whose B tiles
+// b_step(s) returns (AmxStep's off, ldb) -> out columns [n0, n0 + 16 groups) of rows [0, m_dim)
+// (out [., n] float32). A block of fewer rows is configured as such (AmxConfigure).
+template <typename F>
+LLMSERVE_INLINE void AmxRowBlocks(const uint16_t* x, int64_t m_dim, int64_t k_dim, int64_t n,
+                                  int64_t n0, int64_t groups, int64_t off, int64_t ldb,
+                                  float* out, F&& b_step) {
+  const int64_t steps = k_dim / 32;
+  const int64_t lda = k_dim * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t ldo = n * static_cast<int64_t>(sizeof(float));
+  int64_t configured = -1;
+  for (int64_t m0 = 0; m0 < m_dim; m0 += 16) {
+    const int64_t mr = std::min<int64_t>(16, m_dim - m0);
+    if (mr != configured) AmxConfigure(configured = mr);
+    const uint16_t* a = x + m0 * k_dim;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; ++s) AmxStep(a + 32 * s, lda, b_step(s), off, ldb, groups);
+    float* o = out + m0 * n + n0;
+    _tile_stored(0, o, ldo);
+    _tile_stored(1, o + 16, ldo);
+    if (groups == 4) {
+      _tile_stored(2, o + 32, ldo);
+      _tile_stored(3, o + 48, ldo);
+    }
+  }
+}
+
+// x [m_dim, K] @ the column block wb (rows of `cols` = 32 or 64 columns, ldw apart) -> out
+// columns [n0, n0 + cols) of rows [0, m_dim) (out [., n] float32). K % 32 == 0. Configures the
+// tiles itself. Up to 16 rows (a decode or verify step) pack each dim step just before its
+// tiles use it, into a ring of kRing slots in L1 (so the weight stream never waits for the
+// tiles: a whole block packed first ran SmolLM2's 1-row layer matmuls at half the AVX512_BF16
+// kernel's speed); more rows pack the whole block once (in L2) and run every 16-row block over
+// it. Both run the same tiles in the same order.
+inline void AmxKNColumns(const uint16_t* x, int64_t m_dim, int64_t k_dim, const uint16_t* wb,
+                         int64_t ldw, int64_t n, int64_t n0, int64_t cols, float* out) {
+  constexpr int64_t kRing = 4, kAhead = 2;
+  thread_local std::vector<uint16_t> vnni;
+  const int64_t steps = k_dim / 32, groups = cols / 16, tile = groups * 512;
+  const bool one_block = m_dim <= 16;
+  vnni.resize(static_cast<size_t>((one_block ? kRing : steps) * tile));
+  uint16_t* b = vnni.data();
+  for (int64_t s = 0; s < (one_block ? std::min(kAhead, steps) : steps); ++s)
+    AmxPackStep(wb, ldw, s, groups, b + s * tile);
+  AmxRowBlocks(x, m_dim, k_dim, n, n0, groups, 512, 64, out, [&](int64_t s) {
+    if (!one_block) return b + s * tile;
+    if (s + kAhead < steps)
+      AmxPackStep(wb, ldw, s + kAhead, groups, b + ((s + kAhead) % kRing) * tile);
+    return b + (s % kRing) * tile;
+  });
+}
+
+// x [m_dim, K] @ the paired layout's 64-column block wp (K / 2 rows of 128 bf16) -> out columns
+// [n0, n0 + 64) of rows [0, m_dim): B tile (s, g) is read in place, 16 pair rows of 64 bytes at
+// a stride of 256, so nothing is packed. Configures the tiles itself.
+inline void AmxKNPaired(const uint16_t* x, int64_t m_dim, int64_t k_dim, const uint16_t* wp,
+                        int64_t n, int64_t n0, float* out) {
+  constexpr int64_t ldb = kPairedWidth * static_cast<int64_t>(sizeof(uint16_t));
+  AmxRowBlocks(x, m_dim, k_dim, n, n0, 4, 32, ldb, out,
+               [=](int64_t s) { return wp + 16 * s * kPairedWidth; });
+}
+
+// x [m_dim, K] -> B tiles xv: row block mb's dim step s is 16 dim pairs x 16 rows of bf16
+// pairs at xv + (mb * steps + s) * 512 (rows past m_dim: zeros).
+inline void AmxPackX(const uint16_t* x, int64_t m_dim, int64_t k_dim, uint16_t* xv) {
+  const int64_t steps = k_dim / 32, blocks = (m_dim + 15) / 16, pairs = k_dim / 2;
+  const uint32_t* x2 = reinterpret_cast<const uint32_t*>(x);
+  uint32_t* v2 = reinterpret_cast<uint32_t*>(xv);
+  for (int64_t mb = 0; mb < blocks; ++mb)
+    for (int64_t s = 0; s < steps; ++s)
+      for (int64_t p = 0; p < 16; ++p)
+        for (int64_t m = 0; m < 16; ++m) {
+          const int64_t row = 16 * mb + m;
+          v2[((mb * steps + s) * 16 + p) * 16 + m] = row < m_dim ? x2[row * pairs + 16 * s + p] : 0;
+        }
+}
+
+// out[:m_dim, n0 .. n1) = x @ w[n0 .. n1)^T for w [N, K] (n1 - n0 a multiple of 16, <= 64), x
+// already packed by AmxPackX.
+inline void AmxNKRows(const uint16_t* xv, int64_t m_dim, int64_t k_dim, const uint16_t* w,
+                      int64_t n, int64_t n0, int64_t n1, float* out) {
+  alignas(64) float cbuf[256];
+  const int64_t steps = k_dim / 32, groups = (n1 - n0) / 16;
+  const int64_t lda = k_dim * static_cast<int64_t>(sizeof(uint16_t));
+  const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(16),
+                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                              11, 12, 13, 14, 15));
+  auto store = [&](int64_t m0, int64_t j) {  // cbuf: vocabulary rows n0 + 16 j .. x 16 x rows
+    const int64_t mr = std::min<int64_t>(16, m_dim - m0);
+    for (int64_t m = 0; m < mr; ++m) {
+      const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(
+                                               static_cast<int>(m))), cbuf, 4);
+      _mm512_storeu_ps(out + (m0 + m) * n + n0 + 16 * j, v);
+    }
+  };
+  AmxConfigure(16);
+  for (int64_t mb = 0, m0 = 0; m0 < m_dim; ++mb, m0 += 16) {
+    const uint16_t* bx = xv + mb * steps * 512;
+    const uint16_t* a = w + n0 * k_dim;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; ++s) {
+      const uint16_t* as = a + 32 * s;
+      _tile_loadd(4, bx + s * 512, 64);
+      _tile_loadd(5, as, lda);
+      _tile_dpbf16ps(0, 5, 4);
+      if (groups > 1) {
+        _tile_loadd(6, as + 16 * k_dim, lda);
+        _tile_dpbf16ps(1, 6, 4);
+      }
+      if (groups > 2) {
+        _tile_loadd(7, as + 32 * k_dim, lda);
+        _tile_dpbf16ps(2, 7, 4);
+      }
+      if (groups > 3) {
+        _tile_loadd(5, as + 48 * k_dim, lda);
+        _tile_dpbf16ps(3, 5, 4);
+      }
+    }
+    for (int64_t j = 0; j < groups; ++j) {
+      AmxStoreTile(static_cast<int>(j), cbuf, 64);
+      store(m0, j);
+    }
+  }
+}
+#endif  // __AMX_TILE__ && __AMX_BF16__
+
 #endif  // __AVX512BF16__
+
+// 1: the bf16 matmuls use AMX where this build and the CPU have it; 0: the AVX512_BF16 kernels
+// only (LlmserveAmxMatmul sets it: tests and benchmarks compare the two in one process).
+std::atomic<int> g_amx_matmul{1};
+
+inline bool UseAmx() {
+#if defined(LLMSERVE_AMX)
+  return g_amx_matmul.load(std::memory_order_relaxed) != 0 && AmxPermitted();
+#else
+  return false;
+#endif
+}
 
 // ---- AVX2 + FMA matmuls (CPUs without AVX-512): x [M, K] @ w -> out [M, N] float32 ----
 //
@@ -1429,8 +1744,9 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
     return ffi::Error::InvalidArgument("x and w must be bf16");
   }
   int64_t rows, k_dim, n;
-  bool blocked;
-  if (ffi::Error e = MatmulDims(xd, wd, transpose_w, 32, 32, &rows, &k_dim, &n, &blocked);
+  bool blocked, paired;
+  if (ffi::Error e = MatmulDims(xd, wd, transpose_w, 32, 32, &rows, &k_dim, &n, &blocked,
+                                &paired);
       e.failure()) {
     return e;
   }
@@ -1442,10 +1758,41 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());
   constexpr int64_t kBlock = kNKBlock;  // columns per work item (both layouts)
   static_assert(kBlock == kBlockedColumns, "a work item is one block of the blocked layout");
+#if defined(LLMSERVE_AMX)
+  if (UseAmx() && (!transpose_w || n % 16 == 0)) {  // items: whole column blocks, every row
+    std::vector<uint16_t> xv;
+    if (transpose_w) {
+      xv.resize(static_cast<size_t>((m_dim + 15) / 16 * 16 * k_dim));
+      AmxPackX(xp, m_dim, k_dim, xv.data());
+    }
+    const uint16_t* xvp = xv.data();
+    ParallelFor(pool, (n + kBlock - 1) / kBlock, MatmulMinItems(m_dim, k_dim, kBlock),
+                [=](int64_t item) {
+      const int64_t n0 = item * kBlock, n1 = std::min(n, n0 + kBlock);
+      ZeroPaddingRows(op, m_dim, rows, n, n0, n1);
+      if (m_dim == 0) return;
+      if (transpose_w) {
+        AmxNKRows(xvp, m_dim, k_dim, wp, n, n0, n1, op);
+      } else if (paired) {
+        AmxKNPaired(xp, m_dim, k_dim, wp + item * k_dim * kBlockedColumns, n, n0, op);
+      } else {
+        int64_t ldw;
+        const uint16_t* wb = KNBlock(wp, blocked, k_dim, n, n0, &ldw);
+        AmxKNColumns(xp, m_dim, k_dim, wb, ldw, n, n0, n1 - n0, op);
+      }
+      _tile_release();
+    });
+    return ffi::Error::Success();
+  }
+#endif
   ForEachMatmulItem(pool, xp, m_dim, rows, k_dim, n, kBlock, op,
                     [=](const uint16_t* xr, int64_t mr, float* orow, int64_t n0, int64_t n1) {
     if (transpose_w) {
       GemmNKRows(xr, mr, k_dim, wp, n, n0, n1, orow);
+      return;
+    }
+    if (paired) {
+      GemmKNColumnsPaired(xr, mr, k_dim, wp + (n0 / kBlock) * k_dim * kBlock, n, n0, orow);
       return;
     }
     int64_t ldw;
@@ -1649,18 +1996,23 @@ ffi::Error MatmulBlockedManyImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   float* ops[kMaxWeights];
   int64_t first_block[kMaxWeights + 1] = {0};  // weight j's blocks: [first[j], first[j + 1])
   const int64_t nw = static_cast<int64_t>(ws.size());
+  bool paired = false;  // every w paired [N_j / 64, K / 2, 128] (bf16) instead of blocked
   for (int64_t j = 0; j < nw; ++j) {
     auto w = ws.get<ffi::AnyBuffer>(j);
     auto o = outs.get<ffi::AnyBuffer>(j);
     if (w.has_error()) return w.error();
     if (o.has_error()) return o.error();
     const auto wd = w->dimensions();
-    if (w->element_type() != x.element_type() || wd.size() != 3 || wd[1] != k_dim ||
-        wd[2] != kBlockedColumns || (*o)->element_type() != ffi::DataType::F32 ||
+    if (j == 0) paired = bf16 && wd.size() == 3 && wd[2] == kPairedWidth;
+    if (w->element_type() != x.element_type() || wd.size() != 3 ||
+        wd[1] != (paired ? k_dim / 2 : k_dim) || k_dim % 2 != 0 ||
+        wd[2] != (paired ? kPairedWidth : kBlockedColumns) ||
+        (*o)->element_type() != ffi::DataType::F32 ||
         (*o)->dimensions().size() != 2 || (*o)->dimensions()[0] != rows ||
         (*o)->dimensions()[1] != wd[0] * kBlockedColumns) {
-      return ffi::Error::InvalidArgument("each w must be blocked [N / 64, K, 64] of x's dtype "
-                                         "and its out [M, N] f32");
+      return ffi::Error::InvalidArgument("each w must be blocked [N / 64, K, 64] (or all paired "
+                                         "[N / 64, K / 2, 128], bf16) of x's dtype and its out "
+                                         "[M, N] f32");
     }
     wps[j] = w->untyped_data();
     ops[j] = static_cast<float*>((*o)->untyped_data());
@@ -1670,7 +2022,9 @@ ffi::Error MatmulBlockedManyImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (rows == 0) return ffi::Error::Success();
   const int64_t m_dim = LiveRows(live, rows);
   const int64_t n_all = first_block[nw] * kBlockedColumns;  // the weights side by side
-  const MatmulItems split = SplitMatmul(pool.num_threads(), m_dim, n_all, kBlockedColumns);
+  const bool amx = bf16 && UseAmx();  // AMX: items are whole column blocks, every row
+  const MatmulItems split = amx ? MatmulItems{first_block[nw], 1, m_dim}
+                                : SplitMatmul(pool.num_threads(), m_dim, n_all, kBlockedColumns);
   const int64_t min_items = MatmulMinItems(split.chunk_rows, k_dim, kBlockedColumns);
   ParallelFor(pool, split.count(), min_items, [=](int64_t item) {
     int64_t n0, n1, r0, r1;
@@ -1687,8 +2041,27 @@ ffi::Error MatmulBlockedManyImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     if (bf16) {
 #if defined(__AVX512BF16__)
       const uint16_t* xr = static_cast<const uint16_t*>(x.untyped_data()) + r0 * k_dim;
+      if (paired) {  // block (block - first_block[j]) of weight j: K / 2 rows of 128
+        const uint16_t* wpb = static_cast<const uint16_t*>(wps[j]) + ln0 * k_dim;
+#if defined(LLMSERVE_AMX)
+        if (amx) {
+          AmxKNPaired(xr, r1 - r0, k_dim, wpb, n, ln0, op + r0 * n);
+          _tile_release();
+          return;
+        }
+#endif
+        GemmKNColumnsPaired(xr, r1 - r0, k_dim, wpb, n, ln0, op + r0 * n);
+        return;
+      }
       const uint16_t* wb = KNBlock(static_cast<const uint16_t*>(wps[j]), true, k_dim, n, ln0,
                                    &ldw);
+#if defined(LLMSERVE_AMX)
+      if (amx) {
+        AmxKNColumns(xr, r1 - r0, k_dim, wb, ldw, n, ln0, kBlockedColumns, op + r0 * n);
+        _tile_release();
+        return;
+      }
+#endif
       GemmKNColumns<2>(xr, r1 - r0, k_dim, wb, ldw, n, ln0, op + r0 * n);
 #endif
     } else {
@@ -2324,6 +2697,13 @@ extern "C" int LlmserveHasF32Matmul() {
 #else
   return 0;
 #endif
+}
+
+// Whether the bf16 matmuls use AMX tiles: mode 0 or 1 sets it (1: where this build and the CPU
+// have them), -1 only asks. Returns 1 when they do from now on.
+extern "C" int LlmserveAmxMatmul(int mode) {
+  if (mode >= 0) g_amx_matmul.store(mode != 0 ? 1 : 0);
+  return UseAmx() ? 1 : 0;
 }
 
 // 1 when this build has the bf16 matmul (AVX512_BF16, or AVX2 + FMA widening bf16 to float32).
