@@ -56,8 +56,32 @@ def machine() -> dict[str, Any]:
             "machine": platform.machine(),
             "processor": platform.processor(), "cpu_count": os.cpu_count(),
             "loadavg_1m": round(os.getloadavg()[0], 2), "jax_backend": jax.default_backend(),
-            "devices": [d.device_kind for d in jax.devices()]}
+            "devices": [d.device_kind for d in jax.devices()], **cpu_model()}
     return info
+
+
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what picks the native kernels
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
+    """The CPU's model name and which of ``CPU_FEATURES`` it has (the machines CI and the
+    sessions run on change between an AMD Zen 4 and an AMX Xeon: results name theirs)."""
+    try:
+        with open(cpuinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    return {"cpu_model": model, "cpu_features": [f for f in CPU_FEATURES if f in flags]}
+
+
+def describe_cpu(m: dict[str, Any]) -> str:
+    """" (model, AMX)"-style words for a result's machine dict; "" for older results."""
+    if not m.get("cpu_model"):
+        return ""
+    amx = "amx_bf16" in m.get("cpu_features", [])
+    return f" ({m['cpu_model']}{', AMX' if amx else ''})"
 
 
 def versions() -> dict[str, str]:

@@ -279,7 +279,8 @@ def build(root: str, docs: str, allow_smoke: bool,
         m = run.get("machine", {})
         kept_sections.pop(f"### {experiment} ({name}, {backend})", None)
         details.append(f"### {experiment} ({name}, {backend})\n\n`{run.get('command', '')}`"
-                       f" on {m.get('cpu_count')} CPU cores / {', '.join(m.get('devices', []))}"
+                       f" on {m.get('cpu_count')} CPU cores{common.describe_cpu(m)} / "
+                       f"{', '.join(m.get('devices', []))}"
                        f", {m.get('time')}, jax {run.get('versions', {}).get('jax')}\n\n"
                        + (run.get("table", "") + "\n\n" if run.get("table") else "")
                        + "".join(f"- {n}\n" for n in run.get("notes", [])) + "\n"

@@ -442,3 +442,22 @@ def test_step_profile_names_the_targets_of_single_and_tuple_custom_calls(tmp_pat
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_results_name_the_cpu_model_and_amx(tmp_path):
+    """A result's machine names the CPU (model, the native kernels' features) so a report can
+    tell an AMX Xeon's numbers from a Zen 4's; results from before it say nothing."""
+    from experiments import common
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+                    "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    got = common.cpu_model(str(info))
+    assert got == {"cpu_model": "Intel(R) Xeon(R) Processor",
+                   "cpu_features": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]}
+    assert common.describe_cpu(got) == " (Intel(R) Xeon(R) Processor, AMX)"
+    assert common.describe_cpu({"cpu_model": "AMD EPYC 9R14", "cpu_features": ["avx512f"]}) == (
+        " (AMD EPYC 9R14)")
+    assert common.describe_cpu({"cpu_count": 2}) == ""
+    assert common.cpu_model(str(tmp_path / "missing")) == {}
+    assert set(common.machine()) >= {"cpu_count", "cpu_model", "cpu_features"}
