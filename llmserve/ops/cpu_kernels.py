@@ -172,6 +172,7 @@ def _load() -> Optional[str]:
 
 
 _HAS_BF16_MATMUL: list = []  # filled by _load: whether the build has a bf16 matmul
+_HAS_F32_MATMUL: list = []  # ... and a float32 matmul
 _LIB: list = []  # ... and the loaded library
 AMX_OPT_OUT = "LLMSERVE_AMX"  # "0": the native bf16 matmuls keep to AVX512_BF16 on AMX CPUs
 
@@ -185,7 +186,6 @@ def amx_matmul(enabled: Optional[bool] = None) -> bool:
     if _load() is not None or not _LIB:
         return False
     return bool(_LIB[0].LlmserveAmxMatmul(-1 if enabled is None else int(bool(enabled))))
-_HAS_F32_MATMUL: list = []  # ... and a float32 matmul
 
 
 def has_bf16_matmul() -> bool:
