@@ -84,8 +84,29 @@ def apply_rope(x: Array, tables: tuple[Array, Array]) -> Array:
     return out.astype(x.dtype)
 
 
+def row_sum(x: Array) -> Array:
+    """The sum over x's last axis in one fixed order, whatever x's other dims: halves added
+    elementwise while the length is even, then the odd rest left to right.
+
+    Why not ``jnp.sum``: XLA:CPU reduces a row in an order that depends on how many rows the
+    call has (SmolLM2's RMSNorm over [N, 576]: one result for N = 1-7, another from 8 up), so
+    a sequence's row rounded differently in a verify step of 2 sequences x 6 tokens than in
+    their 2-row decode step, and speculative greedy output split from plain decoding at batch
+    >= 2 (logprobs 0.03-0.1 apart in bf16). Elementwise adds are the same for every element of
+    any shape, so this tree gives each row the same bits in any batch (tested)."""
+    while x.shape[-1] > 1 and x.shape[-1] % 2 == 0:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    total = x[..., 0]
+    for i in range(1, x.shape[-1]):
+        total = total + x[..., i]
+    return total[..., None]
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed and returned in float32 (scale stored in ``dtype``)."""
+    """Root-mean-square norm, computed and returned in float32 (scale stored in ``dtype``); the
+    mean of squares in a fixed order (``row_sum``), so a row's result never depends on the
+    rows beside it."""
 
     eps: float
     dtype: Any = jnp.float32
@@ -94,7 +115,7 @@ class RMSNorm(nn.Module):
     def __call__(self, x: Array) -> Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        xf = xf * jax.lax.rsqrt(row_sum(xf * xf) / xf.shape[-1] + self.eps)
         return xf * scale.astype(jnp.float32)
 
 

@@ -30,7 +30,10 @@ def test_zero_differing_bits_under_every_condition(dtype):
 
 
 def test_default_mode_is_not_invariant_in_fp32():
-    """The oracle is sharp: without the mode, co-tenants change the logprob bits."""
+    """The oracle is sharp: without the mode, co-tenants change the logprob bits (on the
+    ``xla`` backend: XLA's dots round a row by how many rows the call has. The ``cpu``
+    backend's native kernels and the fixed-order RMSNorm already keep this target's rows
+    apart from its co-tenants' in the default mode.)"""
     cfg = preset("tiny-9-3")
     params = init_params(cfg, seed=3)
     from llmserve.engine import Engine, EngineConfig
@@ -40,7 +43,7 @@ def test_default_mode_is_not_invariant_in_fp32():
         eng = Engine(cfg, params, None, EngineConfig(
             max_model_len=96, max_num_seqs=8, page_size=4, max_num_batched_tokens=32,
             prefill_buckets=((1, 8), (4, 16)), decode_buckets=(1, 8), max_logprobs=2,
-            enable_prefix_caching=False))
+            enable_prefix_caching=False, backend="xla"))
         eng.warmup()
         return eng
 

@@ -247,3 +247,25 @@ def test_rope_tables_are_computed_once_per_forward_not_per_layer():
 
     two, four = cosines(2), cosines(4)
     assert 0 < two == four, (two, four)
+
+
+@pytest.mark.parametrize("d", [576, 64, 960])
+def test_rmsnorm_rows_do_not_depend_on_the_rows_beside_them(d):
+    """RMSNorm's mean of squares is summed in one fixed order (``model.row_sum``): every row of
+    a call of N rows is bitwise that row in a call of 40, for every N. XLA's own reduction
+    (``jnp.mean``) rounds SmolLM2's 576-wide rows one way for N = 1-7 and another from 8 up,
+    which split speculative greedy output from plain decoding at batch >= 2."""
+    from llmserve.model import RMSNorm, row_sum
+
+    rng = np.random.default_rng(d)
+    x = jnp.asarray(rng.standard_normal((1, 40, d)) * 3, jnp.float32)
+    norm = RMSNorm(1e-5)
+    scale = {"params": {"scale": jnp.asarray(rng.standard_normal(d), jnp.float32)}}
+    f = jax.jit(lambda v: norm.apply(scale, v))
+    full = np.asarray(f(x))
+    for n in range(1, 40):
+        np.testing.assert_array_equal(np.asarray(f(x[:, :n])), full[:, :n], err_msg=f"N={n}")
+    # The same norm as the textbook formula, within float32 rounding.
+    want = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5) * scale["params"]["scale"]
+    np.testing.assert_allclose(full, np.asarray(want), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(row_sum(x))[..., 0], np.asarray(x).sum(-1), rtol=1e-5)
