@@ -86,7 +86,8 @@ def apply_rope(x: Array, tables: tuple[Array, Array]) -> Array:
 
 def row_sum(x: Array) -> Array:
     """The sum over x's last axis in one fixed order, whatever x's other dims: halves added
-    elementwise while the length is even, then the odd rest left to right.
+    elementwise while the length is even, then the odd rest left to right (a length whose odd
+    factor exceeds 32 is first padded with zeros to a power of two, keeping the graph small).
 
     Why not ``jnp.sum``: XLA:CPU reduces a row in an order that depends on how many rows the
     call has (SmolLM2's RMSNorm over [N, 576]: one result for N = 1-7, another from 8 up), so
@@ -94,6 +95,10 @@ def row_sum(x: Array) -> Array:
     their 2-row decode step, and speculative greedy output split from plain decoding at batch
     >= 2 (logprobs 0.03-0.1 apart in bf16). Elementwise adds are the same for every element of
     any shape, so this tree gives each row the same bits in any batch (tested)."""
+    n = x.shape[-1]
+    odd = n >> ((n & -n).bit_length() - 1) if n else 1  # n's largest odd factor
+    if odd > 32:  # a long left-to-right rest: pad with zeros (exact) to a power of two instead
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (n - 1).bit_length()) - n)])
     while x.shape[-1] > 1 and x.shape[-1] % 2 == 0:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]

@@ -249,7 +249,7 @@ def test_rope_tables_are_computed_once_per_forward_not_per_layer():
     assert 0 < two == four, (two, four)
 
 
-@pytest.mark.parametrize("d", [576, 64, 960])
+@pytest.mark.parametrize("d", [576, 64, 960, 4099])
 def test_rmsnorm_rows_do_not_depend_on_the_rows_beside_them(d):
     """RMSNorm's mean of squares is summed in one fixed order (``model.row_sum``): every row of
     a call of N rows is bitwise that row in a call of 40, for every N. XLA's own reduction
@@ -268,4 +268,5 @@ def test_rmsnorm_rows_do_not_depend_on_the_rows_beside_them(d):
     # The same norm as the textbook formula, within float32 rounding.
     want = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5) * scale["params"]["scale"]
     np.testing.assert_allclose(full, np.asarray(want), rtol=2e-6, atol=2e-6)
-    np.testing.assert_allclose(np.asarray(row_sum(x))[..., 0], np.asarray(x).sum(-1), rtol=1e-5)
+    squares = np.asarray(x, np.float64) ** 2
+    np.testing.assert_allclose(np.asarray(row_sum(x * x))[..., 0], squares.sum(-1), rtol=1e-6)
