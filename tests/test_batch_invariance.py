@@ -53,3 +53,36 @@ def test_default_mode_is_not_invariant_in_fp32():
     others = random_cotenants(np.random.default_rng(0), cfg.vocab_size, 7, 40, 10, "c")
     crowd = run(make(), [target] + others)["t"]
     assert differing(alone, crowd)[1] > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_mode_on_cpu_leaves_a_prompts_bits_to_its_chunking(dtype):
+    """The ``cpu`` backend's default mode: a prompt prefilled in one 96-token chunk, in 16-token
+    rows, or in 8-token blocks gives bitwise the same tokens and logprobs (SmolLM2's widths, 2
+    layers). Every paged attention call runs the native kernel, whose rows never depend on the
+    rows beside them; until 2026-12-08 chunk rows of more than 10 tokens took XLA's batched
+    path and rounded apart from shorter ones."""
+    from llmserve.engine import Engine, EngineConfig
+    from llmserve.ops import cpu_kernels
+    from llmserve.ops.attention import default_backend
+
+    if default_backend() != "cpu" or not cpu_kernels.available():
+        pytest.skip("the native CPU kernels are not the default backend here")
+    cfg = preset("smollm2-135m").replace(vocab_size=512, n_layers=2, dtype=dtype)
+    params = init_params(cfg, seed=2)
+    prompt = np.random.default_rng(4).integers(1, cfg.vocab_size, 90).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+
+    def serve(buckets):
+        eng = Engine(cfg, params, None, EngineConfig(
+            max_model_len=128, max_num_seqs=2, page_size=16, max_num_batched_tokens=96,
+            prefill_buckets=buckets, decode_buckets=(2,), max_logprobs=2))
+        eng.add_request("r", prompt, sp)
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    return out.outputs[0].token_ids, out.outputs[0].logprobs
+
+    want = serve(((1, 96),))
+    assert serve(((6, 16),)) == want
+    assert serve(((12, 8),)) == want

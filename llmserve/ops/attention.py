@@ -4,10 +4,10 @@ files; this module only chooses).
 Backends:
   "reference": plain jnp, materializes the scores (the oracle).
   "xla":       memory-lean XLA paths (gather + batched matmuls), any platform.
-  "cpu":       CPU serving: paged attention with few query rows per kv head (decode, verify,
-               batch-invariant per-token) runs the native C++ kernel (``cpu_kernels``:
-               pages read in place, near the memory roof); many rows (prefill chunks), where
-               XLA's batched matmuls are faster, and contiguous attention take the "xla" paths.
+  "cpu":       CPU serving: paged attention (decode, verify, prefill chunks, batch-invariant
+               per-token queries) runs the native C++ kernel (``cpu_kernels``: pages read in
+               place, near the memory roof for decode); contiguous attention and pages of more
+               than 64 tokens take the "xla" paths.
   "pallas":    the Pallas kernels (Triton on GPU); "pallas_interpret" runs them in interpret mode.
 
 Semantics shared by every backend: query t of sequence b sits at position ``q_start[b] + t`` and
@@ -34,12 +34,14 @@ logger = logging.getLogger("llmserve")
 
 BACKENDS = ("reference", "xla", "cpu", "pallas", "pallas_interpret")
 
-# The "cpu" backend sends a paged call to the native kernel when each kv head has at most this
-# many query rows (T * G) and pages of at most 64 tokens. Measured (SmolLM2 heads, 2-core CPU,
-# B=32): the kernel is 3-5x faster than the XLA path at 3 rows (decode, context 512) and 2.4-3x
-# at 12 (verify, T=4, context 300), but 1.4x slower at 96 rows and up to 2x at 384 (prefill
-# chunks of 32 and 128 tokens), where XLA's batched matmuls win.
-CPU_NATIVE_MAX_ROWS = 32
+# The "cpu" backend sends every paged call with pages of at most 64 tokens to the native kernel,
+# whatever its query rows. Until 2026-12-08 calls with more than 32 rows per kv head (T * G:
+# prefill chunks of 11+ tokens at SmolLM2's G = 3) took the XLA path, measured 1.4-2x faster
+# there by an early version of the kernel. Since its AVX-512 row groups, pages outer (AMD Zen 4,
+# SmolLM2 heads, 30 chained calls, `/tmp` script, XLA / native): bf16 1.9x at 1 x 16 tokens,
+# 2.4-2.7x at 1 x 64-128, 2.1x at 4 x 128, 1.6x at 1 x 128 after 384 cached tokens; float32
+# 1.5-2.5x. One kernel for every part also keeps a token's bits independent of how its prompt
+# was chunked.
 
 
 def check_backend(backend: str) -> str:
@@ -90,8 +92,7 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, block_tables: Arra
     check_backend(backend)
     if backend == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, q_start, lengths)
-    if (backend == "cpu" and q.shape[1] * (q.shape[2] // k_pages.shape[0]) <= CPU_NATIVE_MAX_ROWS
-            and k_pages.shape[2] <= cpu_paged.MAX_PAGE_SIZE):
+    if backend == "cpu" and k_pages.shape[2] <= cpu_paged.MAX_PAGE_SIZE:
         return cpu_paged.paged_attention_cpu(q, k_pages, v_pages, block_tables, q_start, lengths)
     if backend in ("xla", "cpu"):
         return paged.paged_attention_xla(q, k_pages, v_pages, block_tables, q_start, lengths)
@@ -102,6 +103,6 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, block_tables: Arra
 
 
 # Re-exported for callers that import the oracles through the dispatcher.
-__all__ = ["BACKENDS", "CPU_NATIVE_MAX_ROWS", "check_backend", "default_backend", "attention",
+__all__ = ["BACKENDS", "check_backend", "default_backend", "attention",
            "paged_attention", "attention_reference", "paged_attention_reference", "gather_pages",
            "causal_mask"]
