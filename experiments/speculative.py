@@ -283,7 +283,7 @@ def _top2_gap(entry: dict) -> float:
 def near_tie_divergences(plain: dict, spec: dict, tol: float) -> tuple[int, list[float]]:
     """(requests whose tokens differ NOT at a near-tie, the plain run's top-2 gaps at each
     first divergence). Where a verify step's rows could round differently from a decode
-    step's (XLA's dots on the ``xla`` backend or an AMX CPU), greedy output may split where the
+    step's (XLA's dots and attention on the ``xla`` backend), greedy output may split where the
     two best tokens are within rounding of each other; on the ``cpu`` backend every row is
     computed alone (native kernels, fixed-order RMSNorm), so any split there is a bug."""
     hard, at = 0, []
