@@ -66,6 +66,8 @@ def test_default_mode_on_cpu_leaves_a_prompts_bits_to_its_chunking(dtype):
     from llmserve.ops import cpu_kernels
     from llmserve.ops.attention import default_backend
 
+    from .test_engine import run_all
+
     if default_backend() != "cpu" or not cpu_kernels.available():
         pytest.skip("the native CPU kernels are not the default backend here")
     cfg = preset("smollm2-135m").replace(vocab_size=512, n_layers=2, dtype=dtype)
@@ -77,11 +79,8 @@ def test_default_mode_on_cpu_leaves_a_prompts_bits_to_its_chunking(dtype):
         eng = Engine(cfg, params, None, EngineConfig(
             max_model_len=128, max_num_seqs=2, page_size=16, max_num_batched_tokens=96,
             prefill_buckets=buckets, decode_buckets=(2,), max_logprobs=2))
-        eng.add_request("r", prompt, sp)
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.finished:
-                    return out.outputs[0].token_ids, out.outputs[0].logprobs
+        out = run_all(eng, [prompt], [sp])[0].outputs[0]
+        return out.token_ids, out.logprobs
 
     want = serve(((1, 96),))
     assert serve(((6, 16),)) == want
